@@ -1,0 +1,192 @@
+"""SpecBlock drafter configuration."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from transformers import PretrainedConfig
+
+# Target families whose decoder stack and hidden-state layout the drafter understands.
+SUPPORTED_TARGET_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "gemma3")
+
+
+def default_target_layer_ids(num_target_layers: int) -> list[int]:
+    """EAGLE-3's low / middle / high feature layers: the inputs of layers 2, L//2 and L-3.
+
+    The ids index the target's `hidden_states` tuple (index 0 is the embedding output, i.e. the input of layer 0).
+    """
+    if num_target_layers < 4:
+        raise ValueError(f"A SpecBlock drafter needs a target with at least 4 layers, got {num_target_layers}.")
+    return [2, num_target_layers // 2, num_target_layers - 3]
+
+
+class SpecBlockConfig(PretrainedConfig):
+    r"""Configuration of a [`SpecBlockDraftModel`].
+
+    A SpecBlock drafter reads three hidden states of a frozen target model and, per drafter forward, proposes a block
+    of `block_size` mutually dependent future tokens. Blocks are chained into a token tree (`max_blocks` rounds) that
+    the target verifies in one forward of at most `tree_budget` nodes.
+
+    Args:
+        vocab_size: Target vocabulary size (the drafter reads the target's input embedding).
+        hidden_size: Drafter hidden size (defaults to the target's).
+        target_hidden_size: Target hidden size.
+        target_num_hidden_layers: Number of decoder layers of the target.
+        target_layer_ids: Indices into the target's `hidden_states` tuple used as low/middle/high features.
+        target_model_type: `model_type` of the target the drafter was built for.
+        num_hidden_layers / num_attention_heads / num_key_value_heads / head_dim / intermediate_size / hidden_act /
+        rms_norm_eps / rope_parameters / max_position_embeddings / attention_bias / attention_dropout / mlp_bias:
+            Llama-style decoder settings of the drafter.
+        block_size: K, the number of slots (future tokens) one drafter forward proposes per position.
+        draft_vocab_size: Size of the reduced draft vocabulary (`None` = the full target vocabulary).
+        rank_bucket_upper_bounds: Upper rank bound of every rank-head class but the last; the default (1, 4, 10) gives
+            the classes rank 1 / 2-4 / 5-10 / >10.
+        branch_widths: Candidates drafted at a slot (greedy token included) per predicted rank class; 0 ends the
+            branch at that slot.
+        tree_policy: "rank" (rank-guided widths) or "fixed" (`fixed_width` candidates at every slot; an ablation).
+        fixed_width: Candidates per slot when `tree_policy="fixed"`.
+        max_blocks: Block rounds per iteration (1 = block 1 only).
+        max_followups: Follow-up blocks drafted per round at most (all in one batched drafter forward).
+        tree_budget: Nodes the target verifies per iteration at most (the root not counted).
+        rank_head_hidden_size: Hidden width of the rank head MLP.
+    """
+
+    model_type = "specblock"
+
+    def __init__(
+        self,
+        vocab_size: int = 32000,
+        hidden_size: int = 4096,
+        target_hidden_size: int | None = None,
+        target_num_hidden_layers: int = 32,
+        target_layer_ids: list[int] | None = None,
+        target_model_type: str | None = None,
+        num_hidden_layers: int = 2,
+        num_attention_heads: int = 32,
+        num_key_value_heads: int = 8,
+        head_dim: int | None = None,
+        intermediate_size: int | None = None,
+        hidden_act: str = "silu",
+        rms_norm_eps: float = 1e-6,
+        rope_parameters: dict[str, Any] | None = None,
+        max_position_embeddings: int = 8192,
+        attention_bias: bool = False,
+        attention_dropout: float = 0.0,
+        mlp_bias: bool = False,
+        initializer_range: float = 0.02,
+        block_size: int = 4,
+        draft_vocab_size: int | None = None,
+        rank_bucket_upper_bounds: list[int] | tuple[int, ...] = (1, 4, 10),
+        branch_widths: list[int] | tuple[int, ...] = (2, 4, 6, 0),
+        tree_policy: str = "rank",
+        fixed_width: int = 3,
+        max_blocks: int = 2,
+        max_followups: int = 4,
+        tree_budget: int = 32,
+        rank_head_hidden_size: int = 256,
+        **kwargs: Any,
+    ) -> None:
+        kwargs.setdefault("tie_word_embeddings", False)
+        self.vocab_size = vocab_size
+        self.hidden_size = hidden_size
+        self.target_hidden_size = target_hidden_size if target_hidden_size is not None else hidden_size
+        self.target_num_hidden_layers = target_num_hidden_layers
+        self.target_layer_ids = (
+            list(target_layer_ids) if target_layer_ids is not None else default_target_layer_ids(target_num_hidden_layers)
+        )
+        self.target_model_type = target_model_type
+        self.num_hidden_layers = num_hidden_layers
+        self.num_attention_heads = num_attention_heads
+        self.num_key_value_heads = num_key_value_heads
+        self.head_dim = head_dim if head_dim is not None else hidden_size // num_attention_heads
+        self.intermediate_size = intermediate_size if intermediate_size is not None else 4 * hidden_size
+        self.hidden_act = hidden_act
+        self.rms_norm_eps = rms_norm_eps
+        self.rope_parameters = dict(rope_parameters) if rope_parameters else {"rope_type": "default", "rope_theta": 1e4}
+        self.max_position_embeddings = max_position_embeddings
+        self.attention_bias = attention_bias
+        self.attention_dropout = attention_dropout
+        self.mlp_bias = mlp_bias
+        self.initializer_range = initializer_range
+        self.block_size = block_size
+        self.draft_vocab_size = draft_vocab_size if draft_vocab_size is not None else vocab_size
+        self.rank_bucket_upper_bounds = list(rank_bucket_upper_bounds)
+        self.branch_widths = list(branch_widths)
+        self.tree_policy = tree_policy
+        self.fixed_width = fixed_width
+        self.max_blocks = max_blocks
+        self.max_followups = max_followups
+        self.tree_budget = tree_budget
+        self.rank_head_hidden_size = rank_head_hidden_size
+        super().__init__(**kwargs)
+        self.validate_settings()
+
+    @property
+    def num_rank_classes(self) -> int:
+        return len(self.rank_bucket_upper_bounds) + 1
+
+    def validate_settings(self) -> None:
+        """Raise a ValueError naming the first inconsistent setting."""
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}.")
+        if self.max_blocks < 1:
+            raise ValueError(f"max_blocks must be >= 1, got {self.max_blocks}.")
+        if not isinstance(self.tree_budget, int) or self.tree_budget < 1:
+            raise ValueError(f"tree_budget must be a positive int, got {self.tree_budget!r}.")
+        if not 1 <= self.draft_vocab_size <= self.vocab_size:
+            raise ValueError(f"draft_vocab_size must be in [1, vocab_size={self.vocab_size}], got {self.draft_vocab_size}.")
+        if len(self.branch_widths) != self.num_rank_classes:
+            raise ValueError(
+                f"branch_widths needs one width per rank class ({self.num_rank_classes}), got {self.branch_widths}."
+            )
+        if self.tree_policy not in ("rank", "fixed"):
+            raise ValueError(f"tree_policy must be 'rank' or 'fixed', got {self.tree_policy!r}.")
+        if len(self.target_layer_ids) != 3:
+            raise ValueError(f"target_layer_ids must name 3 hidden states, got {self.target_layer_ids}.")
+        if max(self.target_layer_ids) > self.target_num_hidden_layers or min(self.target_layer_ids) < 0:
+            raise ValueError(
+                f"target_layer_ids {self.target_layer_ids} fall outside the target's hidden states "
+                f"0..{self.target_num_hidden_layers}."
+            )
+
+    @classmethod
+    def from_target_config(cls, target_config: PretrainedConfig, **overrides: Any) -> "SpecBlockConfig":
+        """Derive a drafter config for a Llama-, Mistral-, Qwen2/3- or Gemma3-family target config."""
+        text_config = target_config.get_text_config()
+        model_type = text_config.model_type
+        if model_type not in SUPPORTED_TARGET_TYPES:
+            raise ValueError(
+                f"SpecBlock drafters support targets of type {SUPPORTED_TARGET_TYPES}, got '{model_type}'. "
+                "Open an issue with the model's config if it is a Llama-like decoder."
+            )
+        hidden = text_config.hidden_size
+        num_heads = text_config.num_attention_heads
+        derived: dict[str, Any] = {
+            "vocab_size": text_config.vocab_size,
+            "hidden_size": hidden,
+            "target_hidden_size": hidden,
+            "target_num_hidden_layers": text_config.num_hidden_layers,
+            "target_model_type": model_type,
+            "num_attention_heads": num_heads,
+            "num_key_value_heads": getattr(text_config, "num_key_value_heads", None) or num_heads,
+            "head_dim": getattr(text_config, "head_dim", None) or hidden // num_heads,
+            "intermediate_size": text_config.intermediate_size,
+            "rms_norm_eps": getattr(text_config, "rms_norm_eps", 1e-6),
+            "max_position_embeddings": text_config.max_position_embeddings,
+            "rope_parameters": _plain_rope_parameters(text_config),
+            "pad_token_id": text_config.pad_token_id,
+            "bos_token_id": text_config.bos_token_id,
+            "eos_token_id": text_config.eos_token_id,
+        }
+        derived.update(overrides)
+        if "hidden_size" in overrides and "head_dim" not in overrides:
+            derived["head_dim"] = derived["hidden_size"] // derived["num_attention_heads"]
+        return cls(**derived)
+
+
+def _plain_rope_parameters(text_config: PretrainedConfig) -> dict[str, Any]:
+    """The target's default-RoPE theta (Gemma3 keeps one per attention type; the global one is used)."""
+    rope = getattr(text_config, "rope_parameters", None) or {}
+    if "full_attention" in rope:  # per-layer-type rope parameters (Gemma3)
+        rope = rope["full_attention"]
+    return {"rope_type": "default", "rope_theta": float(rope.get("rope_theta", 1e4))}

@@ -1,0 +1,209 @@
+"""Drafting: the SpecBlock candidate generator grows a token tree block by block."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+from transformers import DynamicCache
+from transformers.generation.candidate_generator import CandidateGenerator
+
+from .modeling_specblock import SpecBlockDraftModel
+from .tree import DraftTree, block_causal_mask, followup_block_mask
+from .verification import truncate_cache
+
+
+@dataclass
+class DraftingStats:
+    """Drafter-side counters of one `generate` call."""
+
+    drafter_forwards: int = 0
+    drafter_time_s: float = 0.0
+    blocks_per_iteration: list[int] = field(default_factory=list)
+
+
+@dataclass
+class _Round:
+    """One round of blocks: their outputs, where each block's slots sit among this iteration's drafter entries,
+    which of those entries each block sees, the tree node each block starts from and that node's depth."""
+
+    log_probs: torch.Tensor  # [B, K, Vd]
+    hidden: torch.Tensor  # [B, K, H] pre-norm slot states
+    widths: torch.Tensor  # [B, K] candidates per slot (0 ends the branch)
+    entry_offset: torch.Tensor  # [B] first local cache entry of each block
+    inherited: torch.BoolTensor  # [B, T] local entries each block saw
+    start_nodes: torch.LongTensor  # [B]
+
+
+def sync(device: torch.device) -> None:
+    """Wait for queued device work so wall-clock timings are honest."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class SpecBlockCandidateGenerator(CandidateGenerator):
+    """Drafts a SpecBlock token tree for the target to verify.
+
+    The drafter's KV cache holds K slot entries per committed position and persists across iterations: only newly
+    committed positions are fed (`observe`). A tree is drafted from the last committed token: block 1 from the
+    root's slots, then up to `max_blocks - 1` rounds of follow-up blocks, each round in ONE batched forward whose
+    entries are cropped away afterwards. The tree is pruned to `tree_budget` nodes by cumulative draft log-prob.
+    """
+
+    requires_model_outputs = True
+
+    def __init__(
+        self,
+        drafter: SpecBlockDraftModel,
+        tree_budget: int | None = None,
+        max_blocks: int | None = None,
+        tree_policy: str | None = None,
+    ) -> None:
+        config = drafter.config
+        self.drafter = drafter
+        self.block_size = config.block_size
+        self.tree_budget = tree_budget if tree_budget is not None else config.tree_budget
+        self.max_blocks = max_blocks if max_blocks is not None else config.max_blocks
+        self.tree_policy = tree_policy if tree_policy is not None else config.tree_policy
+        self.max_followups = config.max_followups
+        self.branch_widths = torch.tensor(config.branch_widths, device=drafter.device)
+        self.cache = DynamicCache()
+        self.committed_entries = 0
+        self.root_block: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self.root_position = 0
+        self.stats = DraftingStats()
+        self.tree: DraftTree | None = None
+
+    # ---------------------------------------------------------------------------------------------------------
+    def observe(self, target_features: torch.Tensor, next_tokens: torch.LongTensor, first_position: int) -> None:
+        """Feed newly committed positions i (features f_i, token x_{i+1}) and draft block 1 from the last one.
+
+        target_features: [P, 3 * H_target]; next_tokens: [P]; first_position: rotary position of next_tokens[0].
+        """
+        num_pos = next_tokens.shape[0]
+        device = self.drafter.device
+        start = time.perf_counter()
+        mask = block_causal_mask(num_pos, self.block_size, self.committed_entries, device)[None]
+        positions = torch.arange(first_position, first_position + num_pos, device=device)[None]
+        out = self.drafter.draft_blocks(
+            self.drafter.project_condition(target_features)[None],
+            next_tokens.to(device)[None],
+            positions,
+            mask,
+            self.cache,
+        )
+        self.committed_entries = self.cache.get_seq_length()
+        self.root_block = (out.logits[0, -1], out.hidden_states[0, -1], out.rank_logits[0, -1])
+        self.root_position = first_position + num_pos - 1
+        self._account(start)
+
+    def get_candidates(self, input_ids: torch.LongTensor, **kwargs) -> tuple[torch.LongTensor, None]:
+        """`CandidateGenerator` API: the drafted tree's tokens in topological order after `input_ids`.
+
+        The tree structure the verifier needs is kept in `self.tree`.
+        """
+        self.tree = self.draft_tree(int(input_ids[0, -1]))
+        return torch.cat([input_ids, self.tree.tokens[1:][None].to(input_ids.device)], dim=1), None
+
+    def update_candidate_strategy(self, input_ids: torch.LongTensor, scores: torch.Tensor, num_matches: int) -> None:
+        """The tree shape adapts per slot through the rank head; nothing to update between iterations."""
+
+    # ---------------------------------------------------------------------------------------------------------
+    def draft_tree(self, root_token: int) -> DraftTree:
+        """Grow the tree from the last committed token (whose block 1 `observe` already drafted)."""
+        if self.root_block is None:
+            raise RuntimeError("observe() must feed the committed context before draft_tree().")
+        start = time.perf_counter()
+        device = self.drafter.device
+        k_slots = self.block_size
+        tree = DraftTree.root_only(root_token, device)
+        logits, hidden, rank_logits = self.root_block
+        rnd = _Round(
+            log_probs=logits.float().log_softmax(-1)[None],
+            hidden=hidden[None],
+            widths=self._widths(rank_logits[None]),
+            entry_offset=torch.zeros(1, dtype=torch.long, device=device),
+            inherited=torch.zeros(1, 0, dtype=torch.bool, device=device),
+            start_nodes=torch.zeros(1, dtype=torch.long, device=device),
+        )
+        local_entries = k_slots  # block 1 = the root position's K cached slots
+        blocks = 1
+        for round_idx in range(self.max_blocks):
+            nodes, block_of, slot_of, leaf = self._expand(tree, rnd)
+            if round_idx == self.max_blocks - 1 or nodes.numel() == 0:
+                break
+            # follow-up blocks start from the best-scoring leaves of this round (chain ends and siblings)
+            candidates = nodes[leaf]
+            top = tree.scores[candidates].topk(min(self.max_followups, candidates.numel())).indices
+            chosen = candidates[top]
+            b, s = block_of[leaf][top], slot_of[leaf][top]
+            inherited = torch.zeros(chosen.numel(), local_entries, dtype=torch.bool, device=device)
+            inherited[:, : rnd.inherited.shape[1]] = rnd.inherited[b]
+            slot_range = torch.arange(k_slots, device=device)
+            own = rnd.entry_offset[b, None] + slot_range  # the parent block's entries, slots 0..s visible
+            inherited.scatter_(1, own, slot_range[None, :] <= s[:, None])
+            out = self.drafter.draft_blocks(
+                rnd.hidden[b, s][None],
+                tree.tokens[chosen][None],
+                (self.root_position + tree.depths[chosen])[None],
+                followup_block_mask(inherited, k_slots, self.committed_entries - k_slots)[None],
+                self.cache,
+            )
+            self.stats.drafter_forwards += 1
+            num_new = chosen.numel()
+            rnd = _Round(
+                log_probs=out.logits[0].float().log_softmax(-1),
+                hidden=out.hidden_states[0],
+                widths=self._widths(out.rank_logits[0]),
+                entry_offset=local_entries + k_slots * torch.arange(num_new, device=device),
+                inherited=inherited,
+                start_nodes=chosen,
+            )
+            local_entries += k_slots * num_new
+            blocks += num_new
+        truncate_cache(self.cache, self.committed_entries)
+        self.stats.blocks_per_iteration.append(blocks)
+        self._account(start, forwards=0)
+        return tree.prune(self.tree_budget)
+
+    def _widths(self, rank_logits: torch.Tensor) -> torch.Tensor:
+        """[B, K, C] rank logits -> [B, K] candidates per slot (0 = end the branch here)."""
+        if self.tree_policy == "fixed":
+            return torch.full(rank_logits.shape[:2], self.drafter.config.fixed_width, device=rank_logits.device)
+        return self.branch_widths.to(rank_logits.device)[rank_logits.argmax(-1)]
+
+    def _expand(
+        self, tree: DraftTree, rnd: _Round
+    ) -> tuple[torch.LongTensor, torch.LongTensor, torch.LongTensor, torch.BoolTensor]:
+        """Add every block's nodes: a greedy chain plus per-slot siblings, ordered slot-major so parents come first.
+
+        Returns the new nodes with their block, slot and whether they are leaves of their block.
+        """
+        num_blocks, k_slots, _ = rnd.log_probs.shape
+        alive = torch.cumprod(rnd.widths > 0, dim=1).bool()  # a width-0 slot ends the chain there
+        max_width = int(rnd.widths.max().clamp(min=1))
+        top_lp, top_ids = rnd.log_probs.topk(max_width, dim=-1)  # [B, K, W]
+        rank = torch.arange(max_width, device=top_ids.device)
+        take = alive[..., None] & (rank < rnd.widths[..., None])  # [B, K, W]
+        # slot-major order: (slot, block, rank)
+        take_sk = take.transpose(0, 1)
+        slot, block, rk = take_sk.nonzero(as_tuple=True)
+        node_ids = torch.full(take_sk.shape, -1, dtype=torch.long, device=top_ids.device)
+        node_ids[slot, block, rk] = torch.arange(len(tree), len(tree) + slot.numel(), device=top_ids.device)
+        greedy_prev = node_ids[(slot - 1).clamp(min=0), block, 0]
+        parents = torch.where(slot == 0, rnd.start_nodes[block], greedy_prev)
+        tokens = self.drafter.d2t[top_ids[block, slot, rk]]
+        # a node at slot k hangs under the greedy chain of slots < k: add their log-probs to its own
+        chain_lp = torch.cumsum(top_lp[:, :, 0], dim=1) - top_lp[:, :, 0]  # [B, K] exclusive prefix sums
+        starts = rnd.start_nodes[block]
+        depths = tree.depths[starts] + slot + 1
+        scores = tree.scores[starts] + chain_lp[block, slot] + top_lp[block, slot, rk]
+        new = tree.add_nodes(tokens, parents, depths, scores)
+        leaf = (rk > 0) | (slot == k_slots - 1)  # siblings, and chains that reached the block's last slot
+        return new, block, slot, leaf
+
+    def _account(self, start: float, forwards: int = 1) -> None:
+        sync(self.drafter.device)
+        self.stats.drafter_forwards += forwards
+        self.stats.drafter_time_s += time.perf_counter() - start

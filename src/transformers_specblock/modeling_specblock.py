@@ -1,0 +1,257 @@
+"""SpecBlock drafter: one forward drafts a block of K mutually dependent future tokens per position."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import PreTrainedModel
+from transformers import initialization as init
+from transformers.cache_utils import Cache
+from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm, LlamaRotaryEmbedding
+from transformers.utils import ModelOutput
+
+from .configuration_specblock import SpecBlockConfig
+from .tree import additive_mask, block_causal_mask
+
+NUM_RANK_FEATURES = 15
+
+
+@dataclass
+class SpecBlockOutput(ModelOutput):
+    """Drafter outputs for P positions x K slots.
+
+    logits:        [B, P, K, draft_vocab]
+    hidden_states: [B, P, K, H] pre-norm slot states (the condition a follow-up block inherits)
+    rank_logits:   [B, P, K, num_rank_classes]
+    """
+
+    loss: torch.Tensor | None = None
+    logits: torch.Tensor | None = None
+    hidden_states: torch.Tensor | None = None
+    rank_logits: torch.Tensor | None = None
+    past_key_values: Cache | None = None
+    loss_parts: dict[str, torch.Tensor] | None = None
+
+
+def rank_features(logits: torch.Tensor) -> torch.Tensor:
+    """[..., V] draft logits -> [..., 15] rank-head features.
+
+    Top-10 log-probs within the top-20, gaps logit1-logit2/3/5, top-1 probability, top-20 entropy.
+    """
+    logits = logits.float()
+    k = min(20, logits.shape[-1])
+    top = logits.topk(k, dim=-1).values
+    if k < 20:  # tiny vocabularies: pad with clearly-worse logits
+        top = torch.cat([top, top[..., -1:].expand(*top.shape[:-1], 20 - k) - 30.0], dim=-1)
+    top_logp = top.log_softmax(-1)
+    gaps = top[..., :1] - top[..., [1, 2, 4]]
+    top1_prob = (top[..., 0] - logits.logsumexp(-1)).exp().unsqueeze(-1)
+    entropy = -(top_logp.exp() * top_logp).sum(-1, keepdim=True)
+    return torch.cat([top_logp[..., :10], gaps, top1_prob, entropy], dim=-1)
+
+
+class SpecBlockPreTrainedModel(PreTrainedModel):
+    config_class = SpecBlockConfig
+    config: SpecBlockConfig
+    base_model_prefix = "specblock"
+    main_input_name = "input_ids"
+    supports_gradient_checkpointing = False
+    _no_split_modules = ["LlamaDecoderLayer"]
+    _supports_sdpa = True
+    # Only the additive float tree masks of eager / sdpa attention express a token tree.
+    _supports_flash_attn = False
+    _supports_flex_attn = False
+
+    @torch.no_grad()
+    def _init_weights(self, module: nn.Module) -> None:
+        super()._init_weights(module)
+        if isinstance(module, SpecBlockDraftModel):
+            hidden = self.config.hidden_size
+            for shift in module.layer_shifts:  # start as "keep h_k": identity on the own-slot half
+                init.copy_(shift.weight, torch.cat([torch.eye(hidden), torch.zeros(hidden, hidden)], dim=1))
+            init.copy_(module.d2t, torch.arange(self.config.draft_vocab_size))
+            init.copy_(module.t2d, torch.arange(self.config.vocab_size) < self.config.draft_vocab_size)
+
+
+class SpecBlockDraftModel(SpecBlockPreTrainedModel):
+    """The SpecBlock drafter.
+
+    Per (position i, slot k): fusion(condition_i, token_i, query_k) -> Llama decoder layers with a layer-wise slot
+    shift -> final norm -> `lm_head` over the draft vocabulary, plus a rank head predicting how far down the draft
+    distribution the target's token lies. Slot k of position i sits at rotary position `position_ids[i] + k`.
+
+    The token path reads the TARGET's input embedding, bound with [`bind_target`] and never saved with the drafter.
+    """
+
+    def __init__(self, config: SpecBlockConfig) -> None:
+        super().__init__(config)
+        hidden, target_hidden = config.hidden_size, config.target_hidden_size
+        self.condition_proj = nn.Linear(3 * target_hidden, hidden, bias=False)
+        self.condition_norm = LlamaRMSNorm(hidden, eps=config.rms_norm_eps)
+        self.token_norm = LlamaRMSNorm(target_hidden, eps=config.rms_norm_eps)
+        self.slot_queries = nn.Embedding(config.block_size, hidden)
+        self.query_norm = LlamaRMSNorm(hidden, eps=config.rms_norm_eps)
+        # fusion(concat(condition [H], token [H_target], query [H])) -> H
+        self.fusion = nn.Linear(2 * hidden + target_hidden, hidden, bias=False)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        # h_k <- W_l [h_k ; h_{k-1}] before every layer l > 0
+        self.layer_shifts = nn.ModuleList(
+            nn.Linear(2 * hidden, hidden, bias=False) for _ in range(config.num_hidden_layers - 1)
+        )
+        self.norm = LlamaRMSNorm(hidden, eps=config.rms_norm_eps)
+        self.rotary_emb = LlamaRotaryEmbedding(config)
+        self.lm_head = nn.Linear(hidden, config.draft_vocab_size, bias=False)
+        self.rank_head = nn.Sequential(
+            nn.Linear(hidden + NUM_RANK_FEATURES, config.rank_head_hidden_size),
+            nn.SiLU(),
+            nn.Linear(config.rank_head_hidden_size, config.num_rank_classes),
+        )
+        # draft id -> target id, and which target ids the draft vocabulary holds
+        self.register_buffer("d2t", torch.arange(config.draft_vocab_size), persistent=True)
+        self.register_buffer("t2d", torch.arange(config.vocab_size) < config.draft_vocab_size, persistent=True)
+        self.__dict__["_target_embedding"] = None  # plain attribute: kept out of state_dict and .to()
+        self.last_stats = None
+        self.post_init()
+
+    # ----------------------------------------------------------------------------------------------------------
+    # Binding to a target
+    # ----------------------------------------------------------------------------------------------------------
+    @classmethod
+    def from_target(cls, target: PreTrainedModel, **overrides) -> "SpecBlockDraftModel":
+        """A freshly initialised drafter sized for `target` (see `SpecBlockConfig.from_target_config`)."""
+        config = SpecBlockConfig.from_target_config(target.config, **overrides)
+        drafter = cls(config).to(device=target.device, dtype=target.dtype).eval()
+        drafter.bind_target(target)
+        return drafter
+
+    def check_target(self, target: PreTrainedModel) -> None:
+        """Raise a ValueError naming both values if `target` is not the model this drafter was built for."""
+        text_config = target.config.get_text_config()
+        embedding = target.get_input_embeddings()
+        checks = [
+            ("vocab_size", self.config.vocab_size, embedding.num_embeddings),
+            ("hidden_size", self.config.target_hidden_size, text_config.hidden_size),
+            ("num_hidden_layers", self.config.target_num_hidden_layers, text_config.num_hidden_layers),
+        ]
+        for name, expected, actual in checks:
+            if expected != actual:
+                raise ValueError(
+                    f"This drafter was built for a target with {name}={expected}, but the target model has "
+                    f"{name}={actual}. Load a drafter trained for this target, or build one with "
+                    f"`{type(self).__name__}.from_target(target)`."
+                )
+
+    def bind_target(self, target: PreTrainedModel) -> None:
+        """Use `target`'s (frozen) input embedding as the drafter's token path."""
+        self.check_target(target)
+        self.__dict__["_target_embedding"] = target.get_input_embeddings()
+
+    @property
+    def target_embedding(self) -> nn.Module:
+        if self._target_embedding is None:
+            raise RuntimeError(
+                "The drafter is not bound to a target: call `drafter.bind_target(target)` (generate() does it)."
+            )
+        return self._target_embedding
+
+    def embed_target_tokens(self, input_ids: torch.LongTensor) -> torch.Tensor:
+        """Target token embeddings (no gradient: the target's embedding stays frozen)."""
+        with torch.no_grad():
+            emb = self.target_embedding(input_ids.to(self.target_embedding.weight.device))
+        return emb.to(device=self.device, dtype=self.dtype)
+
+    # ----------------------------------------------------------------------------------------------------------
+    # Drafting
+    # ----------------------------------------------------------------------------------------------------------
+    def project_condition(self, target_hidden_states: torch.Tensor) -> torch.Tensor:
+        """[..., 3 * H_target] concatenated target features -> [..., H] block condition (pre-norm)."""
+        return self.condition_proj(target_hidden_states.to(device=self.device, dtype=self.dtype))
+
+    def draft_blocks(
+        self,
+        condition: torch.Tensor,
+        input_ids: torch.LongTensor,
+        position_ids: torch.LongTensor,
+        attention_mask: torch.BoolTensor,
+        past_key_values: Cache | None = None,
+    ) -> SpecBlockOutput:
+        """Draft one block of K slots for each of P positions.
+
+        condition:      [B, P, H]  projected target features or an inherited slot state (pre-norm)
+        input_ids:      [B, P]     the token at each position (target vocabulary)
+        position_ids:   [B, P]     rotary position of that token; slot k uses position + k
+        attention_mask: [B, P*K, S] bool visibility over (cached + new) entries, S = cached + P*K
+        """
+        batch, num_pos = input_ids.shape
+        k_slots, hidden = self.config.block_size, self.config.hidden_size
+        target_hidden = self.config.target_hidden_size
+        cond = self.condition_norm(condition)  # [B, P, H]
+        tok = self.token_norm(self.embed_target_tokens(input_ids))  # [B, P, H_t]
+        query = self.query_norm(self.slot_queries.weight)  # [K, H]
+        # fusion(concat(cond, tok, query)) computed as W_ct [cond; tok] + W_q query: one matmul per position.
+        w_ct, w_q = self.fusion.weight.split([hidden + target_hidden, hidden], dim=1)
+        per_position = F.linear(torch.cat([cond, tok], dim=-1), w_ct)  # [B, P, H]
+        per_slot = F.linear(query, w_q)  # [K, H]
+        h = (per_position[:, :, None, :] + per_slot).reshape(batch, num_pos * k_slots, hidden)
+
+        slot_positions = position_ids[:, :, None] + torch.arange(k_slots, device=position_ids.device)
+        slot_positions = slot_positions.reshape(batch, num_pos * k_slots)
+        position_embeddings = self.rotary_emb(h, slot_positions)
+        mask = additive_mask(attention_mask, h.dtype)[:, None]  # [B, 1, P*K, S]
+
+        for layer_idx, layer in enumerate(self.layers):
+            if layer_idx > 0:
+                slots = h.view(batch, num_pos, k_slots, hidden)
+                previous = torch.cat([slots[:, :, :1], slots[:, :, :-1]], dim=2)  # slot 0 pairs with itself
+                h = self.layer_shifts[layer_idx - 1](torch.cat([slots, previous], dim=-1))
+                h = h.view(batch, num_pos * k_slots, hidden)
+            h = layer(
+                h,
+                attention_mask=mask,
+                position_ids=slot_positions,
+                past_key_values=past_key_values,
+                use_cache=past_key_values is not None,
+                position_embeddings=position_embeddings,
+            )
+
+        hidden_states = h.view(batch, num_pos, k_slots, hidden)
+        normed = self.norm(hidden_states)
+        logits = self.lm_head(normed)
+        rank_logits = self.rank_head(torch.cat([normed.detach(), rank_features(logits.detach())], dim=-1))
+        return SpecBlockOutput(
+            logits=logits, hidden_states=hidden_states, rank_logits=rank_logits, past_key_values=past_key_values
+        )
+
+    def rank_classes(self, ranks: torch.LongTensor) -> torch.LongTensor:
+        """Bucket 1-based ranks into rank-head classes (rank 1 -> 0, ..., beyond the last bound -> C-1)."""
+        bounds = torch.tensor(self.config.rank_bucket_upper_bounds, device=ranks.device)
+        return torch.bucketize(ranks, bounds, right=False)
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor,
+        target_hidden_states: torch.Tensor,
+        position_ids: torch.LongTensor | None = None,
+        attention_mask: torch.BoolTensor | None = None,
+        past_key_values: Cache | None = None,
+    ) -> SpecBlockOutput:
+        """Draft block 1 for every position of a sequence (teacher-forced on the target's features).
+
+        input_ids:            [B, T] token x_{i+1} at position i
+        target_hidden_states: [B, T, 3 * H_target] target features of position i
+        position_ids:         [B, T] rotary position of x_{i+1} (default: 1..T)
+        """
+        batch, length = input_ids.shape
+        if position_ids is None:
+            position_ids = torch.arange(1, length + 1, device=input_ids.device).expand(batch, -1)
+        if attention_mask is None:
+            past = past_key_values.get_seq_length() if past_key_values is not None else 0
+            attention_mask = block_causal_mask(length, self.config.block_size, past, input_ids.device)[None]
+            attention_mask = attention_mask.expand(batch, -1, -1)
+        return self.draft_blocks(
+            self.project_condition(target_hidden_states), input_ids, position_ids, attention_mask, past_key_values
+        )
+

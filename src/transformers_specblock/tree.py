@@ -1,0 +1,151 @@
+"""Draft token trees: structure, attention masks and pruning.
+
+A tree holds the last committed token as node 0 (the root) and the drafted tokens as nodes 1..N. Parents always
+come before their children, so every prefix of the node order is a valid tree.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class DraftTree:
+    """A token tree in topological order.
+
+    tokens:  [N+1] target-vocabulary token ids (node 0 = last committed token)
+    parents: [N+1] parent node index (-1 for the root)
+    depths:  [N+1] distance to the root (root = 0)
+    scores:  [N+1] cumulative draft log-probability (root = 0)
+    """
+
+    tokens: torch.LongTensor
+    parents: torch.LongTensor
+    depths: torch.LongTensor
+    scores: torch.Tensor
+
+    @classmethod
+    def root_only(cls, token: int, device: torch.device | str = "cpu") -> "DraftTree":
+        return cls(
+            tokens=torch.tensor([token], dtype=torch.long, device=device),
+            parents=torch.tensor([-1], dtype=torch.long, device=device),
+            depths=torch.zeros(1, dtype=torch.long, device=device),
+            scores=torch.zeros(1, dtype=torch.float32, device=device),
+        )
+
+    def __len__(self) -> int:
+        return self.tokens.shape[0]
+
+    @property
+    def num_drafted(self) -> int:
+        return len(self) - 1
+
+    @property
+    def max_depth(self) -> int:
+        return int(self.depths.max())
+
+    def add_nodes(
+        self, tokens: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor, scores: torch.Tensor
+    ) -> torch.LongTensor:
+        """Append nodes (each parent must already exist or come earlier in this call); returns their indices."""
+        first = len(self)
+        self.tokens = torch.cat([self.tokens, tokens.to(self.tokens)])
+        self.parents = torch.cat([self.parents, parents.to(self.parents)])
+        self.depths = torch.cat([self.depths, depths.to(self.depths)])
+        self.scores = torch.cat([self.scores, scores.to(self.scores)])
+        return torch.arange(first, len(self), device=self.tokens.device)
+
+    def ancestor_matrix(self) -> torch.BoolTensor:
+        """[N+1, N+1] with `a[i, j]` True iff node j is node i or one of its ancestors."""
+        n = len(self)
+        idx = torch.arange(n, device=self.tokens.device)
+        anc = torch.eye(n, dtype=torch.bool, device=self.tokens.device)
+        cur = idx
+        for _ in range(self.max_depth):
+            cur = self.parents.clamp(min=0)[cur]
+            anc[idx, cur] = True
+        return anc
+
+    def path_tokens(self) -> torch.LongTensor:
+        """[N+1, max_depth] tokens on the path root->node at depths 1..depth (0-padded after the node's depth)."""
+        n, d_max = len(self), self.max_depth
+        out = torch.zeros(n, d_max, dtype=torch.long, device=self.tokens.device)
+        cur = torch.arange(n, device=self.tokens.device)
+        for _ in range(d_max):
+            d = self.depths[cur]
+            live = d > 0
+            out[live, d[live] - 1] = self.tokens[cur[live]]
+            cur = torch.where(live, self.parents[cur], cur)
+        return out
+
+    def prune(self, budget: int) -> "DraftTree":
+        """Keep the root and the `budget` drafted nodes of highest cumulative log-probability.
+
+        A child never scores above its parent and comes after it, so a stable sort keeps every kept node's ancestors.
+        """
+        if self.num_drafted <= budget:
+            return self
+        order = torch.sort(self.scores, descending=True, stable=True).indices
+        keep = torch.zeros(len(self), dtype=torch.bool, device=self.tokens.device)
+        keep[order[: budget + 1]] = True
+        keep[0] = True
+        new_index = torch.cumsum(keep, 0) - 1
+        kept = keep.nonzero().squeeze(1)
+        parents = self.parents[kept]
+        if not bool(keep[parents[1:]].all()):
+            raise RuntimeError("Tree pruning dropped an ancestor of a kept node (scores must not grow with depth).")
+        parents = torch.where(parents >= 0, new_index[parents.clamp(min=0)], parents)
+        return DraftTree(self.tokens[kept], parents, self.depths[kept], self.scores[kept])
+
+    def children_of(self, node: int) -> torch.LongTensor:
+        """Children of `node`, highest draft score first."""
+        kids = (self.parents == node).nonzero().squeeze(1)
+        return kids[torch.argsort(self.scores[kids], descending=True, stable=True)]
+
+
+def additive_mask(visible: torch.BoolTensor, dtype: torch.dtype) -> torch.Tensor:
+    """Bool visibility -> additive float mask (0 where visible, dtype-min elsewhere), as eager attention adds it."""
+    return torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill_(
+        ~visible, torch.finfo(dtype).min
+    )
+
+
+def tree_verification_mask(tree: DraftTree, prefix_visible: torch.BoolTensor, dtype: torch.dtype) -> torch.Tensor:
+    """[1, 1, N+1, S+N+1] additive mask for verifying `tree` after S cached target positions.
+
+    Every node sees the visible cached prefix and its own ancestors (itself included).
+    """
+    n = len(tree)
+    prefix = prefix_visible.to(tree.tokens.device)[None, :].expand(n, -1)
+    visible = torch.cat([prefix, tree.ancestor_matrix()], dim=1)
+    return additive_mask(visible, dtype)[None, None]
+
+
+def block_causal_mask(num_positions: int, block_size: int, past_length: int, device: torch.device) -> torch.BoolTensor:
+    """[P*K, past+P*K] visibility for feeding P new positions of K slots each to the drafter.
+
+    Slot k of position p sees every cached entry, all K slots of earlier new positions and slots 0..k of its own.
+    """
+    pos = torch.arange(num_positions, device=device).repeat_interleave(block_size)
+    slot = torch.arange(block_size, device=device).repeat(num_positions)
+    new = (pos[None, :] < pos[:, None]) | ((pos[None, :] == pos[:, None]) & (slot[None, :] <= slot[:, None]))
+    past = torch.ones(num_positions * block_size, past_length, dtype=torch.bool, device=device)
+    return torch.cat([past, new], dim=1)
+
+
+def followup_block_mask(
+    inherited: torch.BoolTensor, block_size: int, prefix_length: int
+) -> torch.BoolTensor:
+    """[B*K, prefix + T + B*K] visibility for B follow-up blocks drafted in one batch.
+
+    inherited: [B, T] which of the T drafting-time cache entries (block 1's and earlier rounds' slots) each block
+    sees. Every block also sees the committed prefix and slots 0..k of itself, never another new block.
+    """
+    num_blocks, device = inherited.shape[0], inherited.device
+    rows = inherited.repeat_interleave(block_size, dim=0)
+    prefix = torch.ones(rows.shape[0], prefix_length, dtype=torch.bool, device=device)
+    own = block_causal_mask(num_blocks, block_size, 0, device)
+    same_block = torch.block_diag(*[torch.ones(block_size, block_size, dtype=torch.bool, device=device)] * num_blocks)
+    return torch.cat([prefix, rows, own & same_block], dim=1)
