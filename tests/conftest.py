@@ -1,0 +1,52 @@
+"""Shared fixtures: tiny random Llama / Qwen2 targets and drafters sized for them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+import transformers_specblock  # noqa: F401  (registers Auto classes and the generate routing)
+from transformers_specblock import SpecBlockDraftModel
+
+TINY = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=6,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    # a wide init spreads the logits, so greedy choices are not decided by float round-off
+    initializer_range=0.2,
+    bos_token_id=0,
+    eos_token_id=None,
+    pad_token_id=None,
+)
+
+
+def make_target(family: str = "llama", vocab_size: int = 128, seed: int = 0, attn: str = "sdpa", **overrides):
+    """A tiny random causal LM of the given family, in eval mode."""
+    torch.manual_seed(seed)
+    settings = {**TINY, "vocab_size": vocab_size, **overrides}
+    if family == "llama":
+        model = LlamaForCausalLM(LlamaConfig(**settings))
+    elif family == "qwen2":
+        model = Qwen2ForCausalLM(Qwen2Config(**settings, use_sliding_window=False))
+    else:
+        raise ValueError(family)
+    model.config._attn_implementation = attn
+    return model.eval()
+
+
+def make_drafter(target, seed: int = 0, **overrides) -> SpecBlockDraftModel:
+    torch.manual_seed(seed + 1000)
+    return SpecBlockDraftModel.from_target(target, **overrides)
+
+
+@pytest.fixture
+def tiny_llama():
+    return make_target("llama")
+
+
+@pytest.fixture
+def tiny_qwen2():
+    return make_target("qwen2")
