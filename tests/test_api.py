@@ -1,0 +1,511 @@
+"""Public API of transformers_specblock: checkpoints, Auto classes, config derivation, the generate() entries and
+their outputs (scores / logits / streamers / stats), and that stock generation is left untouched."""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+import transformers
+from safetensors import safe_open
+from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, GenerationMixin
+from transformers.generation.streamers import BaseStreamer
+
+import transformers_specblock
+from conftest import make_drafter, make_target
+from transformers_specblock import CUSTOM_GENERATE_DIR, SpecBlockConfig, SpecBlockDraftModel, SpecBlockStats
+from transformers_specblock import generation as specblock_generation
+
+VOCAB = 128
+PROMPT = torch.tensor([[0, 5, 17, 33, 2, 9]])
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    """Tiny models on 2 shared cores: one intra-op thread is ~100x faster than two contending ones."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+@pytest.fixture(scope="module")
+def target():
+    return make_target("llama", vocab_size=VOCAB)
+
+
+@pytest.fixture(scope="module")
+def drafter(target):
+    """A random drafter: its drafts are almost never accepted, so every iteration commits one token."""
+    return make_drafter(target)
+
+
+def make_oracle(target) -> SpecBlockDraftModel:
+    """A drafter that proposes EVERY token as a child of the root (one slot, width = vocabulary, budget = vocabulary).
+
+    Whatever the target's next token is, it is in the tree, so greedy acceptance must commit exactly 2 tokens per
+    iteration (1 drafted + the bonus): the multi-token paths of the loop are exercised with a random target.
+    """
+    vocab = target.config.vocab_size
+    return make_drafter(
+        target, block_size=1, max_blocks=1, tree_policy="fixed", fixed_width=vocab, tree_budget=vocab
+    )
+
+
+@pytest.fixture(scope="module")
+def oracle(target):
+    return make_oracle(target)
+
+
+def greedy(model, input_ids=PROMPT, max_new_tokens=9, **kwargs):
+    return model.generate(input_ids, max_new_tokens=max_new_tokens, do_sample=False, **kwargs)
+
+
+def assert_patched(installed: bool) -> None:
+    patched = GenerationMixin._assisted_decoding is specblock_generation._assisted_decoding
+    assert patched == installed
+    assert (GenerationMixin._validate_generation_mode is specblock_generation._validate_generation_mode) == installed
+
+
+# -------------------------------------------------------------------------------------------------------------------
+# Checkpoints
+# -------------------------------------------------------------------------------------------------------------------
+def _scrambled_drafter(target, draft_vocab_size):
+    """A drafter whose weights and vocabulary maps differ from any fresh initialisation."""
+    d = make_drafter(target, seed=3, draft_vocab_size=draft_vocab_size)
+    with torch.no_grad():
+        for p in d.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    if draft_vocab_size is not None:
+        g = torch.Generator().manual_seed(11)
+        kept = torch.randperm(target.config.vocab_size, generator=g)[:draft_vocab_size].sort().values
+        d.d2t.copy_(kept)
+        d.t2d.zero_()
+        d.t2d[kept] = True
+    return d
+
+
+@pytest.mark.parametrize("draft_vocab_size", [None, 64])
+def test_saved_checkpoint_holds_no_target_embedding(tmp_path, target, draft_vocab_size):
+    d = _scrambled_drafter(target, draft_vocab_size)
+    d.save_pretrained(tmp_path)
+    path = tmp_path / "model.safetensors"
+    assert path.is_file()
+    embedding = target.get_input_embeddings().weight.detach()
+    with safe_open(str(path), "pt") as f:
+        keys = list(f.keys())
+        tensors = {k: f.get_tensor(k) for k in keys}
+    assert "d2t" in keys and "t2d" in keys
+    assert torch.equal(tensors["d2t"], d.d2t) and torch.equal(tensors["t2d"], d.t2d)
+    for key in keys:
+        assert "embed" not in key.lower() and "target" not in key.lower(), key
+    for key, tensor in tensors.items():
+        for candidate in (tensor, tensor.T if tensor.dim() == 2 else tensor):
+            if candidate.shape == embedding.shape:
+                assert not torch.allclose(candidate.float(), embedding.float()), f"{key} stores the target embedding"
+    # the saved tensors are exactly the drafter's own state (plus nothing else)
+    assert set(keys) == set(d.state_dict().keys())
+
+
+@pytest.mark.parametrize("draft_vocab_size", [None, 64])
+def test_from_pretrained_round_trip(tmp_path, target, draft_vocab_size):
+    d = _scrambled_drafter(target, draft_vocab_size)
+    d.save_pretrained(tmp_path)
+    loaded = SpecBlockDraftModel.from_pretrained(tmp_path)
+    assert not loaded.training
+    original_state, loaded_state = d.state_dict(), loaded.state_dict()
+    assert original_state.keys() == loaded_state.keys()
+    for key, value in original_state.items():
+        assert loaded_state[key].dtype == value.dtype, key
+        assert torch.equal(loaded_state[key], value), key
+    assert loaded.config.to_dict() | {"transformers_version": None} == d.config.to_dict() | {
+        "transformers_version": None
+    }
+
+    # a reloaded drafter is unbound until bind_target (or generate) binds it
+    with pytest.raises(RuntimeError, match="bind_target"):
+        _ = loaded.target_embedding
+    loaded.bind_target(target)
+
+    # same drafts: the teacher-forced forward matches bit for bit ...
+    torch.manual_seed(5)
+    ids = torch.randint(0, VOCAB, (1, 7))
+    features = torch.randn(1, 7, 3 * target.config.hidden_size)
+    with torch.no_grad():
+        a, b = d(ids, features), loaded(ids, features)
+    assert torch.equal(a.logits, b.logits) and torch.equal(a.rank_logits, b.rank_logits)
+
+    # ... and generation commits the same tokens from the same trees
+    out_a = greedy(target, assistant_model=d, max_new_tokens=10)
+    stats_a = d.last_stats
+    out_b = greedy(target, assistant_model=loaded, max_new_tokens=10)
+    stats_b = loaded.last_stats
+    assert torch.equal(out_a, out_b)
+    assert torch.equal(out_a, greedy(target, max_new_tokens=10))
+    assert stats_a.nodes_per_iteration == stats_b.nodes_per_iteration
+    assert stats_a.accepted_per_iteration == stats_b.accepted_per_iteration
+
+
+def test_auto_classes(tmp_path, target):
+    d = make_drafter(target, block_size=3, tree_budget=12)
+    d.save_pretrained(tmp_path)
+    config = AutoConfig.from_pretrained(tmp_path)
+    assert isinstance(config, SpecBlockConfig)
+    assert config.model_type == "specblock"
+    assert (config.block_size, config.tree_budget, config.vocab_size) == (3, 12, VOCAB)
+    model = AutoModel.from_pretrained(tmp_path)
+    assert isinstance(model, SpecBlockDraftModel)
+    for key, value in d.state_dict().items():
+        assert torch.equal(model.state_dict()[key], value), key
+
+
+# -------------------------------------------------------------------------------------------------------------------
+# SpecBlockConfig.from_target_config
+# -------------------------------------------------------------------------------------------------------------------
+SMALL = dict(vocab_size=96, hidden_size=48, intermediate_size=80, num_attention_heads=6, num_key_value_heads=2)
+
+FAMILIES = [
+    ("llama", lambda L: transformers.LlamaConfig(**SMALL, num_hidden_layers=L), 8),
+    ("qwen2", lambda L: transformers.Qwen2Config(**SMALL, num_hidden_layers=L), 12),
+    ("qwen3", lambda L: transformers.Qwen3Config(**SMALL, num_hidden_layers=L, head_dim=16), 10),
+    ("mistral", lambda L: transformers.MistralConfig(**SMALL, num_hidden_layers=L), 7),
+    ("gemma3_text", lambda L: transformers.Gemma3TextConfig(**SMALL, num_hidden_layers=L, head_dim=16), 9),
+]
+
+
+@pytest.mark.parametrize("family, build, num_layers", FAMILIES, ids=[f[0] for f in FAMILIES])
+def test_from_target_config_families(family, build, num_layers):
+    target_config = build(num_layers)
+    assert target_config.model_type == family
+    config = SpecBlockConfig.from_target_config(target_config)
+    assert config.vocab_size == 96
+    assert config.draft_vocab_size == 96
+    assert config.hidden_size == 48 and config.target_hidden_size == 48
+    assert config.target_num_hidden_layers == num_layers
+    assert config.target_layer_ids == [2, num_layers // 2, num_layers - 3]
+    assert config.target_model_type == family
+    assert config.num_attention_heads == 6 and config.num_key_value_heads == 2
+    expected_head_dim = getattr(target_config, "head_dim", None) or 48 // 6
+    assert config.head_dim == expected_head_dim
+    assert config.intermediate_size == 80
+    assert config.max_position_embeddings == target_config.max_position_embeddings
+    assert config.rope_parameters["rope_type"] == "default"
+    assert config.rope_parameters["rope_theta"] > 0
+    # a drafter can actually be built from the derived config
+    model = SpecBlockDraftModel(config)
+    assert model.lm_head.weight.shape == (96, 48)
+    assert model.condition_proj.weight.shape == (48, 3 * 48)
+
+
+def test_from_target_config_gemma3_uses_global_rope_theta():
+    text = transformers.Gemma3TextConfig(**SMALL, num_hidden_layers=8, head_dim=16)
+    global_theta = text.rope_parameters["full_attention"]["rope_theta"]
+    local_theta = text.rope_parameters["sliding_attention"]["rope_theta"]
+    assert global_theta != local_theta
+    config = SpecBlockConfig.from_target_config(text)
+    assert config.rope_parameters["rope_theta"] == pytest.approx(global_theta)
+
+
+def test_from_target_config_multimodal_gemma3_reads_text_config():
+    wrapper = transformers.Gemma3Config(text_config=dict(**SMALL, num_hidden_layers=8, head_dim=16))
+    config = SpecBlockConfig.from_target_config(wrapper)
+    assert (config.vocab_size, config.hidden_size, config.target_num_hidden_layers) == (96, 48, 8)
+    assert config.target_layer_ids == [2, 4, 5]
+
+
+def test_from_target_config_overrides_win():
+    target_config = transformers.LlamaConfig(**SMALL, num_hidden_layers=8)
+    config = SpecBlockConfig.from_target_config(
+        target_config,
+        hidden_size=96,
+        num_hidden_layers=1,
+        block_size=3,
+        tree_budget=7,
+        target_layer_ids=[1, 3, 8],
+        draft_vocab_size=40,
+    )
+    assert config.hidden_size == 96
+    assert config.head_dim == 96 // 6  # re-derived from the overridden hidden size
+    assert config.target_hidden_size == 48  # still the target's
+    assert config.num_hidden_layers == 1 and config.block_size == 3 and config.tree_budget == 7
+    assert config.target_layer_ids == [1, 3, 8]
+    assert config.draft_vocab_size == 40
+    explicit = SpecBlockConfig.from_target_config(target_config, hidden_size=96, head_dim=24)
+    assert explicit.head_dim == 24
+
+
+def test_from_target_config_unsupported_type():
+    gpt2 = transformers.GPT2Config(n_layer=4, n_embd=32, n_head=4, vocab_size=64)
+    with pytest.raises(ValueError, match="gpt2"):
+        SpecBlockConfig.from_target_config(gpt2)
+
+
+# -------------------------------------------------------------------------------------------------------------------
+# Stock behaviour is untouched
+# -------------------------------------------------------------------------------------------------------------------
+def _stock_runs(target, assistant):
+    """Every non-SpecBlock generation mode this package could disturb."""
+    torch.manual_seed(123)
+    sampled = target.generate(PROMPT, max_new_tokens=6, do_sample=True, top_k=20)
+    assisted = target.generate(
+        PROMPT, max_new_tokens=8, do_sample=False, assistant_model=assistant,
+        return_dict_in_generate=True, output_scores=True,
+    )  # fmt: skip
+    torch.manual_seed(7)
+    assisted_sampled = target.generate(PROMPT, max_new_tokens=6, do_sample=True, assistant_model=assistant)
+    return {
+        "greedy": greedy(target, max_new_tokens=8),
+        "sampled": sampled,
+        "assisted": assisted.sequences,
+        "assisted_scores": torch.cat(assisted.scores),
+        "assisted_sampled": assisted_sampled,
+        "prompt_lookup": greedy(target, torch.tensor([[0, 5, 17, 5, 17, 5, 17, 33]]), 8, prompt_lookup_num_tokens=3),
+    }
+
+
+def test_stock_generation_unchanged(target):
+    assistant = make_target("llama", vocab_size=VOCAB, seed=7, num_hidden_layers=2)
+    assert_patched(True)
+    with_package = _stock_runs(target, assistant)
+    transformers_specblock.uninstall()
+    try:
+        assert_patched(False)
+        stock = _stock_runs(target, assistant)
+    finally:
+        transformers_specblock.install()
+    assert_patched(True)
+    assert with_package.keys() == stock.keys()
+    for key in stock:
+        assert torch.equal(with_package[key], stock[key]), key
+    # the assisted run really was the stock assisted loop, equal to plain greedy
+    assert torch.equal(with_package["assisted"], with_package["greedy"])
+
+
+# -------------------------------------------------------------------------------------------------------------------
+# Patch-free routes
+# -------------------------------------------------------------------------------------------------------------------
+def _run_route(route, target, assistant, **kwargs):
+    kwargs.setdefault("max_new_tokens", 9)
+    kwargs.setdefault("do_sample", False)
+    if route == "patched":
+        return target.generate(PROMPT, assistant_model=assistant, **kwargs)
+    if route == "function":
+        return transformers_specblock.generate(target, PROMPT, assistant_model=assistant, **kwargs)
+    if route == "custom_generate":
+        return target.generate(
+            PROMPT, assistant_model=assistant, custom_generate=CUSTOM_GENERATE_DIR, trust_remote_code=True, **kwargs
+        )
+    raise ValueError(route)
+
+
+@pytest.mark.parametrize("installed", [True, False], ids=["installed", "uninstalled"])
+@pytest.mark.parametrize("route", ["function", "custom_generate"])
+def test_patch_free_routes(target, oracle, route, installed):
+    expected = greedy(target)
+    oracle.last_stats = None
+    if not installed:
+        transformers_specblock.uninstall()
+    try:
+        assert_patched(installed)
+        out = _run_route(route, target, oracle)
+    finally:
+        transformers_specblock.install()
+    assert torch.equal(out, expected)
+    stats = oracle.last_stats
+    assert isinstance(stats, SpecBlockStats)
+    assert stats.new_tokens == 9
+    assert stats.iterations == 4 and stats.accepted_per_iteration == [2, 2, 2, 2]
+
+
+def test_patched_route_uses_tree_decoding(target, oracle):
+    oracle.last_stats = None
+    out = greedy(target, assistant_model=oracle)
+    assert torch.equal(out, greedy(target))
+    assert oracle.last_stats is not None and oracle.last_stats.accepted_per_iteration == [2, 2, 2, 2]
+
+
+# -------------------------------------------------------------------------------------------------------------------
+# Scores and logits
+# -------------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("kind", ["oracle", "random"])
+@pytest.mark.parametrize("route", ["patched", "function"])
+@pytest.mark.parametrize("repetition_penalty", [None, 1.3], ids=["plain", "rep1.3"])
+def test_scores_and_logits_match_stock(target, drafter, oracle, kind, route, repetition_penalty):
+    assistant = oracle if kind == "oracle" else drafter
+    kwargs = dict(return_dict_in_generate=True, output_scores=True, output_logits=True, max_new_tokens=9)
+    if repetition_penalty is not None:
+        kwargs["repetition_penalty"] = repetition_penalty
+    stock = greedy(target, **kwargs)
+    out = _run_route(route, target, assistant, **kwargs)
+    assert torch.equal(out.sequences, stock.sequences)
+    new = out.sequences.shape[1] - PROMPT.shape[1]
+    assert new == 9
+    assert len(out.scores) == len(out.logits) == new
+    for score, logit, ref_score, ref_logit in zip(out.scores, out.logits, stock.scores, stock.logits):
+        assert score.shape == (1, VOCAB) and logit.shape == (1, VOCAB)
+        torch.testing.assert_close(logit.float(), ref_logit.float(), atol=1e-4, rtol=0)
+        torch.testing.assert_close(score.float(), ref_score.float(), atol=1e-4, rtol=0)
+    # each processed score picks the committed token
+    picked = torch.stack([s[0].argmax() for s in out.scores])
+    assert torch.equal(picked, out.sequences[0, PROMPT.shape[1] :])
+    if repetition_penalty is not None:  # the penalty really changed something: scores are not the raw logits
+        assert any(not torch.allclose(s, l) for s, l in zip(out.scores, out.logits))
+
+
+def test_scores_only_and_logits_only(target, oracle):
+    scores_only = greedy(target, assistant_model=oracle, return_dict_in_generate=True, output_scores=True)
+    assert scores_only.logits is None and len(scores_only.scores) == 9
+    logits_only = greedy(target, assistant_model=oracle, return_dict_in_generate=True, output_logits=True)
+    assert logits_only.scores is None and len(logits_only.logits) == 9
+
+
+# -------------------------------------------------------------------------------------------------------------------
+# Streamers
+# -------------------------------------------------------------------------------------------------------------------
+class RecordingStreamer(BaseStreamer):
+    def __init__(self):
+        self.puts: list[torch.Tensor] = []
+        self.ends = 0
+
+    def put(self, value):
+        assert self.ends == 0, "put() after end()"
+        self.puts.append(value.detach().clone())
+
+    def end(self):
+        self.ends += 1
+
+
+@pytest.mark.parametrize("route", ["patched", "function", "custom_generate"])
+@pytest.mark.parametrize("kind", ["oracle", "random"])
+def test_streamer_sees_prompt_then_chunks(target, drafter, oracle, route, kind):
+    assistant = oracle if kind == "oracle" else drafter
+    streamer = RecordingStreamer()
+    out = _run_route(route, target, assistant, max_new_tokens=8, streamer=streamer)
+    assert torch.equal(out, greedy(target, max_new_tokens=8))
+    assert streamer.ends == 1
+    assert len(streamer.puts) >= 2
+    assert torch.equal(streamer.puts[0].reshape(-1), PROMPT[0])
+    chunks = [p.reshape(-1) for p in streamer.puts[1:]]
+    assert all(c.numel() >= 1 for c in chunks)
+    assert torch.equal(torch.cat(chunks), out[0, PROMPT.shape[1] :])
+    if kind == "oracle":  # accepted drafts arrive as multi-token chunks
+        assert max(c.numel() for c in chunks) == 2
+
+
+def test_stock_streamer_unchanged(target):
+    streamer = RecordingStreamer()
+    out = greedy(target, max_new_tokens=5, streamer=streamer)
+    assert streamer.ends == 1
+    assert torch.equal(streamer.puts[0].reshape(-1), PROMPT[0])
+    assert torch.equal(torch.cat([p.reshape(-1) for p in streamer.puts[1:]]), out[0, PROMPT.shape[1] :])
+
+
+# -------------------------------------------------------------------------------------------------------------------
+# last_stats
+# -------------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "kind, max_new_tokens, exact",
+    [("random", 7, True), ("oracle", 9, True), ("oracle", 8, False)],
+    ids=["random-exact", "oracle-exact", "oracle-stops-mid-chunk"],
+)
+def test_last_stats_consistency(target, drafter, oracle, kind, max_new_tokens, exact):
+    assistant = oracle if kind == "oracle" else drafter
+    previous = assistant.last_stats
+    out = greedy(target, assistant_model=assistant, max_new_tokens=max_new_tokens)
+    stats = assistant.last_stats
+    assert isinstance(stats, SpecBlockStats) and stats is not previous
+    new_tokens = out.shape[1] - PROMPT.shape[1]
+    assert stats.new_tokens == new_tokens == max_new_tokens
+    committed = sum(stats.accepted_per_iteration) + 1  # + the token the prefill produced
+    if exact:
+        assert committed == new_tokens
+    else:  # the last chunk was cut by max_new_tokens
+        assert committed > new_tokens
+        assert committed - new_tokens < stats.accepted_per_iteration[-1]
+    assert committed >= new_tokens
+    assert stats.iterations == len(stats.accepted_per_iteration) == len(stats.nodes_per_iteration) > 0
+    assert all(a >= 1 for a in stats.accepted_per_iteration)
+    assert all(0 <= n <= assistant.config.tree_budget for n in stats.nodes_per_iteration)
+    assert math.isclose(stats.tau, sum(stats.accepted_per_iteration) / len(stats.accepted_per_iteration))
+    assert stats.drafter_forwards >= stats.iterations
+    assert stats.drafter_time_s > 0 and stats.target_time_s > 0 and stats.total_time_s > 0
+    assert stats.total_time_s >= stats.drafter_time_s + stats.target_time_s
+    assert 0.0 <= stats.drafting_share <= 1.0
+    as_dict = stats.as_dict()
+    assert as_dict["tau"] == stats.tau and as_dict["drafting_share"] == stats.drafting_share
+    assert as_dict["accepted_per_iteration"] == stats.accepted_per_iteration
+    if kind == "oracle":
+        assert stats.tau > 1.5
+
+
+# -------------------------------------------------------------------------------------------------------------------
+# Placement and padding
+# -------------------------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def saved_target_dir(tmp_path_factory, target):
+    path = tmp_path_factory.mktemp("tiny_target")
+    target.save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("device_map", ["cpu", "auto"])
+def test_device_map_loaded_target(saved_target_dir, target, device_map):
+    loaded = AutoModelForCausalLM.from_pretrained(saved_target_dir, device_map=device_map)
+    assert loaded.device.type == "cpu"
+    assert loaded.config._attn_implementation in ("sdpa", "eager")
+    expected = greedy(loaded)
+    assert torch.equal(expected, greedy(target))  # the weights survived the round trip
+    assistant = make_oracle(loaded)
+    assert torch.equal(greedy(loaded, assistant_model=assistant), expected)
+    assert assistant.last_stats.accepted_per_iteration == [2, 2, 2, 2]
+    assert torch.equal(transformers_specblock.generate(loaded, PROMPT, assistant_model=assistant, max_new_tokens=9),
+                       expected)  # fmt: skip
+
+
+@pytest.mark.parametrize("route", ["patched", "function", "custom_generate"])
+@pytest.mark.parametrize("kind", ["oracle", "random"])
+def test_left_padding_batch_of_one(target, drafter, oracle, route, kind):
+    assistant = oracle if kind == "oracle" else drafter
+    padded = torch.cat([torch.tensor([[3, 3, 3]]), PROMPT], dim=1)
+    mask = torch.cat([torch.zeros(1, 3, dtype=torch.long), torch.ones_like(PROMPT)], dim=1)
+    expected = target.generate(padded, attention_mask=mask, max_new_tokens=8, do_sample=False)
+    if route == "patched":
+        out = target.generate(padded, attention_mask=mask, max_new_tokens=8, do_sample=False, assistant_model=assistant)
+    elif route == "function":
+        out = transformers_specblock.generate(
+            target, padded, attention_mask=mask, max_new_tokens=8, do_sample=False, assistant_model=assistant
+        )
+    else:
+        out = target.generate(
+            padded, attention_mask=mask, max_new_tokens=8, do_sample=False, assistant_model=assistant,
+            custom_generate=CUSTOM_GENERATE_DIR, trust_remote_code=True,
+        )  # fmt: skip
+    assert out.shape == (1, padded.shape[1] + 8)
+    assert torch.equal(out[:, : padded.shape[1]], padded)
+    assert torch.equal(out[:, padded.shape[1] :], expected[:, padded.shape[1] :])
+    # the padding is really ignored: the new tokens equal the unpadded prompt's
+    assert torch.equal(out[:, padded.shape[1] :], greedy(target, max_new_tokens=8)[:, PROMPT.shape[1] :])
+
+
+def test_left_padding_with_different_pad_tokens_is_ignored(target, oracle):
+    mask = torch.cat([torch.zeros(1, 3, dtype=torch.long), torch.ones_like(PROMPT)], dim=1)
+    a = greedy(target, torch.cat([torch.tensor([[3, 3, 3]]), PROMPT], 1), 8, attention_mask=mask, assistant_model=oracle)
+    b = greedy(target, torch.cat([torch.tensor([[90, 1, 44]]), PROMPT], 1), 8, attention_mask=mask, assistant_model=oracle)
+    assert torch.equal(a[:, 9:], b[:, 9:])
+
+
+# -------------------------------------------------------------------------------------------------------------------
+# Stopping mid-chunk (eos) matches stock
+# -------------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("position", [2, 3])  # the 2nd token of a 2-token chunk / the 1st token of a chunk
+def test_eos_inside_a_chunk(target, oracle, position):
+    reference = greedy(target, max_new_tokens=8)
+    eos = int(reference[0, PROMPT.shape[1] + position])
+    assert eos not in reference[0, PROMPT.shape[1] : PROMPT.shape[1] + position].tolist()
+    stock = greedy(target, max_new_tokens=8, eos_token_id=eos, pad_token_id=1)
+    out = greedy(target, max_new_tokens=8, eos_token_id=eos, pad_token_id=1, assistant_model=oracle)
+    assert torch.equal(out, stock)
+    assert out.shape[1] == PROMPT.shape[1] + position + 1 and int(out[0, -1]) == eos
+    assert oracle.last_stats.new_tokens == position + 1

@@ -1,0 +1,157 @@
+"""Tree structure, masks, pruning and KV-cache compaction."""
+
+from __future__ import annotations
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from transformers import DynamicCache
+
+from conftest import make_drafter, make_target
+from transformers_specblock.tree import DraftTree, block_causal_mask, followup_block_mask, tree_verification_mask
+from transformers_specblock.verification import compact_cache, greedy_accept
+
+
+@st.composite
+def random_trees(draw) -> DraftTree:
+    """Trees in topological order whose children never score above their parent."""
+    n = draw(st.integers(1, 40))
+    tree = DraftTree.root_only(draw(st.integers(0, 99)))
+    for i in range(1, n):
+        parent = draw(st.integers(0, i - 1))
+        log_p = -draw(st.floats(0, 5, allow_nan=False))
+        tree.add_nodes(
+            torch.tensor([draw(st.integers(0, 99))]), torch.tensor([parent]),
+            tree.depths[[parent]] + 1, tree.scores[[parent]] + log_p,
+        )  # fmt: skip
+    return tree
+
+
+def naive_ancestors(tree: DraftTree, i: int) -> set[int]:
+    out = {i}
+    while tree.parents[i] >= 0:
+        i = int(tree.parents[i])
+        out.add(i)
+    return out
+
+
+@settings(max_examples=60, deadline=None)
+@given(random_trees())
+def test_ancestor_matrix_and_paths(tree):
+    anc = tree.ancestor_matrix()
+    paths = tree.path_tokens() if tree.max_depth > 0 else None
+    for i in range(len(tree)):
+        assert set(anc[i].nonzero().squeeze(1).tolist()) == naive_ancestors(tree, i)
+        if paths is not None:
+            chain = sorted(naive_ancestors(tree, i) - {0}, key=lambda j: int(tree.depths[j]))
+            assert paths[i, : len(chain)].tolist() == tree.tokens[chain].tolist()
+
+
+@settings(max_examples=60, deadline=None)
+@given(random_trees(), st.integers(1, 45))
+def test_prune_keeps_best_nodes_and_their_ancestors(tree, budget):
+    pruned = tree.prune(budget)
+    assert len(pruned) == min(len(tree), budget + 1)
+    assert pruned.tokens[0] == tree.tokens[0] and pruned.parents[0] == -1
+    assert bool((pruned.parents[1:] < torch.arange(1, len(pruned))).all())  # parents come first
+    assert bool((pruned.depths[1:] == pruned.depths[pruned.parents[1:]] + 1).all())
+    # the kept nodes are the highest-scoring ones
+    if len(pruned) < len(tree):
+        assert pruned.scores.min() >= torch.sort(tree.scores, descending=True).values[budget] - 1e-6
+
+
+@settings(max_examples=40, deadline=None)
+@given(random_trees(), st.integers(0, 6))
+def test_verification_mask_is_prefix_plus_ancestors(tree, prefix):
+    visible = torch.ones(prefix, dtype=torch.bool)
+    if prefix:
+        visible[0] = False  # a left-padding position stays hidden
+    mask = tree_verification_mask(tree, visible, torch.float32)[0, 0]
+    assert mask.shape == (len(tree), prefix + len(tree))
+    allowed = mask == 0
+    assert bool((allowed[:, :prefix] == visible).all())
+    assert bool((allowed[:, prefix:] == tree.ancestor_matrix()).all())
+    assert bool((mask[~allowed] == torch.finfo(torch.float32).min).all())
+
+
+def test_block_masks():
+    mask = block_causal_mask(num_positions=2, block_size=3, past_length=4, device=torch.device("cpu"))
+    assert mask.shape == (6, 10)
+    assert bool(mask[:, :4].all())
+    # position 1 slot 0 sees all of position 0 and its own slot 0 only
+    assert mask[3, 4:].tolist() == [True, True, True, True, False, False]
+    # position 0 slot 1 sees slots 0..1 of itself, nothing of position 1
+    assert mask[1, 4:].tolist() == [True, True, False, False, False, False]
+    inherited = torch.tensor([[True, False, False], [True, True, False]])
+    follow = followup_block_mask(inherited, block_size=2, prefix_length=5)
+    assert follow.shape == (4, 5 + 3 + 4)
+    assert follow[2, 5:8].tolist() == [True, True, False]  # block 1 inherits its own visible entries
+    assert follow[1, 8:].tolist() == [True, True, False, False]  # never another new block
+
+
+def test_tree_forward_equals_branch_by_branch():
+    """One forward over a tree with the tree mask gives each branch's logits and hidden states."""
+    target = make_target("llama", vocab_size=64, seed=2)
+    prompt = torch.randint(0, 64, (1, 7), generator=torch.Generator().manual_seed(2))
+    tree = DraftTree.root_only(11)
+    tree.add_nodes(torch.tensor([5, 9, 13, 17]), torch.tensor([0, 0, 1, 1]), torch.tensor([1, 1, 2, 2]),
+                   torch.tensor([-0.1, -0.2, -0.3, -0.4]))  # fmt: skip
+    cache = DynamicCache()
+    with torch.no_grad():
+        target(prompt, past_key_values=cache, use_cache=True)
+        out = target(
+            tree.tokens[None], attention_mask=tree_verification_mask(tree, torch.ones(7, dtype=torch.bool), torch.float32),
+            position_ids=(7 + tree.depths)[None], past_key_values=cache, output_hidden_states=[3],
+        )  # fmt: skip
+        for node, branch in {3: [11, 5, 13], 4: [11, 5, 17], 2: [11, 9]}.items():
+            full = target(torch.cat([prompt, torch.tensor([branch])], 1), output_hidden_states=[3])
+            torch.testing.assert_close(out.logits[0, node], full.logits[0, -1], atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(out.hidden_states[3][0, node], full.hidden_states[3][0, -1], atol=1e-4, rtol=1e-4)
+
+
+def test_compacted_cache_continues_exactly():
+    """After keeping an accepted tree path in the cache, decoding continues as if the path had been fed alone."""
+    target = make_target("qwen2", vocab_size=64, seed=3)
+    prompt = torch.randint(0, 64, (1, 6), generator=torch.Generator().manual_seed(3))
+    tree = DraftTree.root_only(4)
+    tree.add_nodes(torch.tensor([8, 20, 30, 40, 50]), torch.tensor([0, 0, 2, 2, 3]), torch.tensor([1, 1, 2, 2, 3]),
+                   -torch.arange(1.0, 6.0))  # fmt: skip
+    cache = DynamicCache()
+    with torch.no_grad():
+        target(prompt, past_key_values=cache, use_cache=True)
+        target(
+            tree.tokens[None], attention_mask=tree_verification_mask(tree, torch.ones(6, dtype=torch.bool), torch.float32),
+            position_ids=(6 + tree.depths)[None], past_key_values=cache,
+        )  # fmt: skip
+        keep = torch.tensor([0, 2, 3, 5])  # root -> 20 -> 30 -> 50
+        compact_cache(cache, 6, keep)
+        assert cache.get_seq_length() == 6 + 4
+        nxt = torch.tensor([[7]])
+        continued = target(nxt, past_key_values=cache, position_ids=torch.tensor([[10]])).logits[0, -1]
+        fresh = target(torch.cat([prompt, torch.tensor([[4, 20, 30, 50, 7]])], 1)).logits[0, -1]
+    torch.testing.assert_close(continued, fresh, atol=1e-4, rtol=1e-4)
+
+
+def test_greedy_accept_walks_the_matching_path():
+    tree = DraftTree.root_only(0)
+    tree.add_nodes(torch.tensor([1, 2, 3, 4]), torch.tensor([0, 0, 2, 2]), torch.tensor([1, 1, 2, 2]),
+                   -torch.arange(1.0, 5.0))  # fmt: skip
+    logits = torch.zeros(5, 6)
+    logits[0, 2] = logits[2, 4] = logits[4, 5] = 1.0  # target: root->2, node(2)->4, node(4)->5
+    path, bonus = greedy_accept(tree, logits)
+    assert path.tolist() == [2, 4] and bonus.tolist() == [5]
+    logits[0] = 0
+    logits[0, 3] = 1.0  # a token that is no child of the root
+    path, bonus = greedy_accept(tree, logits)
+    assert path.tolist() == [] and bonus.tolist() == [3]
+
+
+def test_drafter_cache_keeps_only_committed_entries():
+    target = make_target("llama", vocab_size=32, seed=1)
+    drafter = make_drafter(target, tree_policy="fixed", fixed_width=3, max_blocks=3, tree_budget=30)
+    prompt = torch.randint(0, 32, (1, 9), generator=torch.Generator().manual_seed(1))
+    target.generate(prompt, assistant_model=drafter, do_sample=False, max_new_tokens=12)
+    stats = drafter.last_stats
+    assert stats.drafter_forwards >= stats.iterations  # block 1 per iteration, follow-ups batched
+    # max_blocks=3 costs at most 3 drafter forwards per verification (observe + 2 follow-up rounds)
+    assert stats.drafter_forwards <= 3 * (stats.iterations + 1)
