@@ -139,6 +139,17 @@ class SpecBlockConfig(PretrainedConfig):
             raise ValueError(
                 f"branch_widths needs one width per rank class ({self.num_rank_classes}), got {self.branch_widths}."
             )
+        if any(not 0 <= w <= self.draft_vocab_size for w in self.branch_widths):
+            raise ValueError(
+                f"branch_widths must lie in [0, draft_vocab_size={self.draft_vocab_size}], got {self.branch_widths}."
+            )
+        if not 1 <= self.fixed_width <= self.draft_vocab_size:
+            raise ValueError(f"fixed_width must lie in [1, draft_vocab_size={self.draft_vocab_size}], got {self.fixed_width}.")
+        bounds = self.rank_bucket_upper_bounds
+        if not bounds or bounds[0] < 1 or any(b <= a for a, b in zip(bounds, bounds[1:])):
+            raise ValueError(f"rank_bucket_upper_bounds must be increasing ranks >= 1, got {bounds}.")
+        if self.max_followups < 1:
+            raise ValueError(f"max_followups must be >= 1, got {self.max_followups}.")
         if self.tree_policy not in ("rank", "fixed"):
             raise ValueError(f"tree_policy must be 'rank' or 'fixed', got {self.tree_policy!r}.")
         if len(self.target_layer_ids) != 3:

@@ -131,10 +131,12 @@ class SpecBlockCandidateGenerator(CandidateGenerator):
         blocks = 1
         for round_idx in range(self.max_blocks):
             nodes, block_of, slot_of, leaf = self._expand(tree, rnd)
-            if round_idx == self.max_blocks - 1 or nodes.numel() == 0:
+            if round_idx == self.max_blocks - 1:
                 break
             # follow-up blocks start from the best-scoring leaves of this round (chain ends and siblings)
             candidates = nodes[leaf]
+            if candidates.numel() == 0:
+                break
             top = tree.scores[candidates].topk(min(self.max_followups, candidates.numel())).indices
             chosen = candidates[top]
             b, s = block_of[leaf][top], slot_of[leaf][top]

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from transformers import DynamicCache, GenerationConfig, LogitsProcessorList, PreTrainedModel, StoppingCriteriaList
 from transformers.generation import GenerateDecoderOnlyOutput, GenerationMixin, GenerationMode
+from transformers.cache_utils import DynamicLayer
 from transformers.generation.streamers import BaseStreamer
 
 from .drafting import SpecBlockCandidateGenerator, sync
@@ -83,6 +84,23 @@ def _validate(
         raise ValueError("attention_mask may only mask left padding (zeros before ones) with SpecBlock decoding.")
 
 
+def _full_attention_cache(
+    model: PreTrainedModel, cache: DynamicCache, generation_config: GenerationConfig, tree_budget: int
+) -> DynamicCache:
+    """A cache whose entries can be compacted: sliding-window layers are swapped for full ones while the whole
+    sequence (and the tree in flight) fits inside the window, where both attend to exactly the same keys."""
+    if all(type(layer) is DynamicLayer for layer in cache.layers):
+        return cache
+    window = getattr(model.config.get_text_config(), "sliding_window", None)
+    if window is None or generation_config.max_length + tree_budget > window:
+        raise ValueError(
+            f"This target uses sliding-window attention (window {window}); SpecBlock tree verification supports it "
+            f"only while max_length + tree_budget ({generation_config.max_length} + {tree_budget}) fits in the "
+            "window. Lower max_new_tokens or tree_budget."
+        )
+    return DynamicCache()
+
+
 def tree_speculative_decoding(
     model: PreTrainedModel,
     input_ids: torch.LongTensor,
@@ -100,7 +118,7 @@ def tree_speculative_decoding(
     if synced_gpus:
         raise ValueError("synced_gpus (DeepSpeed ZeRO-3 / FSDP) is not supported with SpecBlock decoding.")
     drafter.bind_target(model)
-    cache: DynamicCache = model_kwargs["past_key_values"]
+    cache = _full_attention_cache(model, model_kwargs["past_key_values"], generation_config, drafter.config.tree_budget)
     feature_layers = drafter.config.target_layer_ids
     tree_processor = TreeLogitsProcessor(logits_processor)
     accept = sample_accept if generation_config.do_sample else greedy_accept

@@ -220,7 +220,8 @@ class SpecBlockDraftModel(SpecBlockPreTrainedModel):
         hidden_states = h.view(batch, num_pos, k_slots, hidden)
         normed = self.norm(hidden_states)
         logits = self.lm_head(normed)
-        rank_logits = self.rank_head(torch.cat([normed.detach(), rank_features(logits.detach())], dim=-1))
+        features = rank_features(logits.detach()).to(normed.dtype)
+        rank_logits = self.rank_head(torch.cat([normed.detach(), features], dim=-1))
         return SpecBlockOutput(
             logits=logits, hidden_states=hidden_states, rank_logits=rank_logits, past_key_values=past_key_values
         )

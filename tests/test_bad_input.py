@@ -1,0 +1,297 @@
+"""Bad input must fail loudly with a message that names what is wrong, never silently fall back."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import transformers_specblock
+from conftest import make_drafter, make_target
+from transformers_specblock import CUSTOM_GENERATE_DIR, SpecBlockConfig, SpecBlockDraftModel
+
+VOCAB = 128
+PROMPT = torch.tensor([[0, 5, 17, 33, 2, 9]])
+ROUTES = ["patched", "function", "custom_generate"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+@pytest.fixture(scope="module")
+def target():
+    return make_target("llama", vocab_size=VOCAB)
+
+
+@pytest.fixture(scope="module")
+def drafter(target):
+    return make_drafter(target)
+
+
+def run(route, target, assistant, input_ids=PROMPT, **kwargs):
+    kwargs.setdefault("max_new_tokens", 4)
+    if route == "patched":
+        return target.generate(input_ids, assistant_model=assistant, **kwargs)
+    if route == "function":
+        return transformers_specblock.generate(target, input_ids, assistant_model=assistant, **kwargs)
+    if route == "custom_generate":
+        return target.generate(
+            input_ids, assistant_model=assistant, custom_generate=CUSTOM_GENERATE_DIR, trust_remote_code=True, **kwargs
+        )
+    raise ValueError(route)
+
+
+# -------------------------------------------------------------------------------------------------------------------
+# A drafter built for another target
+# -------------------------------------------------------------------------------------------------------------------
+MISMATCHES = [
+    ("vocab_size", dict(vocab_size=96), 96, VOCAB),
+    ("hidden_size", dict(hidden_size=32), 32, 64),
+    ("num_hidden_layers", dict(num_hidden_layers=8), 8, 6),
+]
+
+
+@pytest.mark.parametrize("route", ROUTES)
+@pytest.mark.parametrize("name, other, drafter_value, target_value", MISMATCHES, ids=[m[0] for m in MISMATCHES])
+def test_drafter_for_another_target(target, route, name, other, drafter_value, target_value):
+    other_settings = dict(other)
+    vocab = other_settings.pop("vocab_size", VOCAB)
+    foreign = make_drafter(make_target("llama", vocab_size=vocab, **other_settings))
+    foreign.last_stats = None
+    with pytest.raises(ValueError) as info:
+        run(route, target, foreign)
+    message = str(info.value)
+    assert f"{name}={drafter_value}" in message
+    assert f"{name}={target_value}" in message
+    assert foreign.last_stats is None
+
+
+# -------------------------------------------------------------------------------------------------------------------
+# Unsupported generation settings
+# -------------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("route", ROUTES)
+def test_batch_larger_than_one(target, drafter, route):
+    with pytest.raises(ValueError, match=r"batch size 1.*\b2\b"):
+        run(route, target, drafter, PROMPT.repeat(2, 1))
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_num_return_sequences(target, drafter, route):
+    with pytest.raises(ValueError, match="num_return_sequences"):
+        run(route, target, drafter, do_sample=True, num_return_sequences=2)
+
+
+@pytest.mark.parametrize("route", ROUTES)
+@pytest.mark.parametrize("do_sample", [False, True], ids=["beam_search", "beam_sample"])
+def test_beam_search_is_refused_not_ignored(target, drafter, route, do_sample):
+    drafter.last_stats = None
+    with pytest.raises(ValueError, match="num_beams"):
+        run(route, target, drafter, num_beams=2, do_sample=do_sample)
+    assert drafter.last_stats is None
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_static_cache(target, drafter, route):
+    with pytest.raises(ValueError, match="(?i)static") as info:
+        run(route, target, drafter, cache_implementation="static")
+    assert "DynamicCache" in str(info.value)
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_prefilled_cache(target, drafter, route):
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=target.config)
+    with torch.no_grad():
+        target(PROMPT[:, :3], past_key_values=cache, use_cache=True)
+    with pytest.raises(ValueError, match="past_key_values"):
+        run(route, target, drafter, past_key_values=cache)
+
+
+@pytest.mark.parametrize("route", ROUTES)
+@pytest.mark.parametrize("implementation", ["flash_attention_2", "flex_attention"])
+def test_attention_without_tree_masks(route, implementation):
+    flash_target = make_target("llama", vocab_size=VOCAB)
+    assistant = make_drafter(flash_target)
+    # no flash kernel is installed here: the refusal must come before the target needs one
+    flash_target.config._attn_implementation = implementation
+    with pytest.raises(ValueError) as info:
+        run(route, flash_target, assistant)
+    message = str(info.value)
+    assert implementation in message
+    assert "sdpa" in message and "eager" in message
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_empty_prompt(target, drafter, route):
+    with pytest.raises(ValueError, match="(?i)empty"):
+        run(route, target, drafter, PROMPT[:, :0])
+
+
+@pytest.mark.parametrize("route", ROUTES)
+@pytest.mark.parametrize("flag", ["output_attentions", "output_hidden_states"])
+def test_attention_and_hidden_state_outputs(target, drafter, route, flag):
+    with pytest.raises(ValueError, match=flag):
+        run(route, target, drafter, return_dict_in_generate=True, **{flag: True})
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_right_padding_mask(target, drafter, route):
+    mask = torch.ones_like(PROMPT)
+    mask[0, -2:] = 0
+    with pytest.raises(ValueError, match="attention_mask"):
+        run(route, target, drafter, attention_mask=mask)
+
+
+# -------------------------------------------------------------------------------------------------------------------
+# Corrupted or mismatched checkpoints
+# -------------------------------------------------------------------------------------------------------------------
+@pytest.fixture
+def saved_drafter(tmp_path, drafter):
+    drafter.save_pretrained(tmp_path)
+    return tmp_path
+
+
+@pytest.mark.parametrize("keep", ["header", "half", "all_but_tail"])
+def test_truncated_checkpoint(saved_drafter, keep):
+    path = saved_drafter / "model.safetensors"
+    data = path.read_bytes()
+    cut = {"header": 50, "half": len(data) // 2, "all_but_tail": len(data) - 64}[keep]
+    path.write_bytes(data[:cut])
+    with pytest.raises(Exception) as info:
+        SpecBlockDraftModel.from_pretrained(saved_drafter)
+    assert str(info.value).strip()
+
+
+def test_slot_queries_shape_mismatch(saved_drafter):
+    assert json.loads((saved_drafter / "config.json").read_text())["block_size"] == 4
+    path = saved_drafter / "model.safetensors"
+    tensors = load_file(str(path))
+    assert tensors["slot_queries.weight"].shape[0] == 4
+    tensors["slot_queries.weight"] = tensors["slot_queries.weight"][:3].clone()
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    with pytest.raises(Exception) as info:
+        SpecBlockDraftModel.from_pretrained(saved_drafter)
+    assert "mismatch" in str(info.value).lower()
+
+
+def test_loaded_drafter_bound_to_target_of_other_vocab(saved_drafter):
+    loaded = SpecBlockDraftModel.from_pretrained(saved_drafter)
+    other = make_target("llama", vocab_size=96)
+    with pytest.raises(ValueError) as info:
+        loaded.bind_target(other)
+    assert "vocab_size=128" in str(info.value) and "vocab_size=96" in str(info.value)
+    with pytest.raises(ValueError) as info:
+        other.generate(PROMPT, max_new_tokens=3, assistant_model=loaded)
+    assert "vocab_size=128" in str(info.value) and "vocab_size=96" in str(info.value)
+
+
+# -------------------------------------------------------------------------------------------------------------------
+# Unbound drafters
+# -------------------------------------------------------------------------------------------------------------------
+def test_unbound_drafter_draft_blocks(drafter):
+    fresh = SpecBlockDraftModel(drafter.config).eval()
+    k = fresh.config.block_size
+    with pytest.raises(RuntimeError, match="bind_target"):
+        fresh.draft_blocks(
+            torch.zeros(1, 1, fresh.config.hidden_size),
+            PROMPT[:, :1],
+            torch.ones(1, 1, dtype=torch.long),
+            torch.ones(1, k, k, dtype=torch.bool),
+        )
+    with pytest.raises(RuntimeError, match="bind_target"):
+        fresh(PROMPT, torch.zeros(1, PROMPT.shape[1], 3 * fresh.config.target_hidden_size))
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_generate_binds_an_unbound_drafter(target, drafter, route):
+    fresh = SpecBlockDraftModel(drafter.config).eval()
+    with pytest.raises(RuntimeError):
+        _ = fresh.target_embedding
+    out = run(route, target, fresh, max_new_tokens=6, do_sample=False)
+    assert torch.equal(out, target.generate(PROMPT, max_new_tokens=6, do_sample=False))
+    assert fresh.target_embedding is target.get_input_embeddings()
+    assert fresh.last_stats is not None and fresh.last_stats.new_tokens == 6
+
+
+def test_generate_rebinds_to_the_calling_target(target, drafter):
+    twin = make_target("llama", vocab_size=VOCAB, seed=5)  # same sizes, other weights
+    assistant = make_drafter(target)
+    assert assistant.target_embedding is target.get_input_embeddings()
+    out = twin.generate(PROMPT, max_new_tokens=5, do_sample=False, assistant_model=assistant)
+    assert torch.equal(out, twin.generate(PROMPT, max_new_tokens=5, do_sample=False))
+    assert assistant.target_embedding is twin.get_input_embeddings()
+
+
+# -------------------------------------------------------------------------------------------------------------------
+# Invalid config values
+# -------------------------------------------------------------------------------------------------------------------
+BASE = dict(vocab_size=VOCAB, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, target_num_hidden_layers=6)
+
+INVALID = [
+    ("block_size", dict(block_size=0)),
+    ("block_size", dict(block_size=-2)),
+    ("tree_budget", dict(tree_budget=0)),
+    ("tree_budget", dict(tree_budget=-5)),
+    ("branch_widths", dict(branch_widths=[2, 4])),
+    ("branch_widths", dict(branch_widths=[2, 4, 6, 0, 1])),
+    ("draft_vocab_size", dict(draft_vocab_size=VOCAB + 1)),
+    ("draft_vocab_size", dict(draft_vocab_size=0)),
+    ("max_blocks", dict(max_blocks=0)),
+    ("tree_policy", dict(tree_policy="widest")),
+    ("target_layer_ids", dict(target_layer_ids=[1, 2])),
+    ("target_layer_ids", dict(target_layer_ids=[2, 3, 7])),
+]
+
+
+@pytest.mark.parametrize("name, bad", INVALID, ids=[f"{n}={list(b.values())[0]}" for n, b in INVALID])
+def test_invalid_config_values(name, bad):
+    with pytest.raises(ValueError, match=name):
+        SpecBlockConfig(**BASE, **bad)
+
+
+@pytest.mark.parametrize("name, bad", INVALID[:8:2], ids=[n for n, _ in INVALID[:8:2]])
+def test_invalid_overrides_in_from_target(target, name, bad):
+    with pytest.raises(ValueError, match=name):
+        make_drafter(target, **bad)
+
+
+def test_too_small_target():
+    with pytest.raises(ValueError, match="at least 4 layers"):
+        SpecBlockConfig(**{**BASE, "target_num_hidden_layers": 3})
+
+
+def test_valid_edge_values_are_accepted():
+    config = SpecBlockConfig(**BASE, block_size=1, tree_budget=1, draft_vocab_size=VOCAB, max_blocks=1)
+    assert (config.block_size, config.tree_budget, config.draft_vocab_size) == (1, 1, VOCAB)
+
+
+# --- settings the config accepts but decoding cannot use (see the report) -----------------------------------------
+def _config_error_or_greedy(target, **overrides):
+    """Either the config refuses the setting with a ValueError naming it, or decoding still equals greedy."""
+    try:
+        assistant = make_drafter(target, **overrides)
+    except ValueError as error:
+        assert any(name in str(error) for name in overrides), str(error)
+        return
+    out = target.generate(PROMPT, max_new_tokens=6, do_sample=False, assistant_model=assistant)
+    assert torch.equal(out, target.generate(PROMPT, max_new_tokens=6, do_sample=False))
+
+
+def test_fixed_width_larger_than_draft_vocab(target):
+    _config_error_or_greedy(target, tree_policy="fixed", fixed_width=VOCAB + 10)
+
+
+def test_branch_width_larger_than_draft_vocab(target):
+    _config_error_or_greedy(target, draft_vocab_size=4, branch_widths=[6, 6, 6, 6])
+
+
+def test_zero_followups(target):
+    _config_error_or_greedy(target, max_followups=0)
