@@ -14,6 +14,7 @@ from .configuration_specblock import SpecBlockConfig
 from .drafting import SpecBlockCandidateGenerator
 from .generation import SpecBlockStats, generate, install, tree_speculative_decoding, uninstall
 from .modeling_specblock import SpecBlockDraftModel, SpecBlockOutput
+from .modeling_tree_drafter import TreeDraftModel
 from .tree import DraftTree
 from .verification import TreeLogitsProcessor
 
@@ -32,6 +33,7 @@ __all__ = [
     "SpecBlockDraftModel",
     "SpecBlockOutput",
     "SpecBlockStats",
+    "TreeDraftModel",
     "TreeLogitsProcessor",
     "generate",
     "install",

@@ -4,14 +4,18 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from transformers import DynamicCache
 from transformers.generation.candidate_generator import CandidateGenerator
 
-from .modeling_specblock import SpecBlockDraftModel
 from .tree import DraftTree, block_causal_mask, followup_block_mask
 from .verification import truncate_cache
+
+if TYPE_CHECKING:
+    from .modeling_specblock import SpecBlockDraftModel
+    from .modeling_tree_drafter import TreeDraftModel
 
 
 @dataclass
@@ -42,7 +46,48 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-class SpecBlockCandidateGenerator(CandidateGenerator):
+class TreeCandidateGenerator(CandidateGenerator):
+    """Drafts token trees for the target to verify, keeping its own drafter KV cache across iterations.
+
+    The loop calls `observe` with the target features of newly committed positions, then `draft_tree` from the
+    last committed token. Subclasses implement both; drafter time and forwards are counted in `stats`.
+    """
+
+    requires_model_outputs = True
+
+    def __init__(self, drafter: "TreeDraftModel", tree_budget: int | None = None) -> None:
+        self.drafter = drafter
+        self.tree_budget = tree_budget if tree_budget is not None else drafter.config.tree_budget
+        self.stats = DraftingStats()
+        self.tree: DraftTree | None = None
+
+    def observe(self, target_features: torch.Tensor, next_tokens: torch.LongTensor, first_position: int) -> None:
+        """Feed newly committed positions i (target features f_i [P, 3H], tokens x_{i+1} [P]); `first_position`
+        is the rotary position of next_tokens[0]."""
+        raise NotImplementedError
+
+    def draft_tree(self, root_token: int) -> DraftTree:
+        """A tree rooted at the last committed token, pruned to `tree_budget` drafted nodes."""
+        raise NotImplementedError
+
+    def get_candidates(self, input_ids: torch.LongTensor, **kwargs) -> tuple[torch.LongTensor, None]:
+        """`CandidateGenerator` API: the drafted tree's tokens in topological order after `input_ids`.
+
+        The tree structure the verifier needs is kept in `self.tree`.
+        """
+        self.tree = self.draft_tree(int(input_ids[0, -1]))
+        return torch.cat([input_ids, self.tree.tokens[1:][None].to(input_ids.device)], dim=1), None
+
+    def update_candidate_strategy(self, input_ids: torch.LongTensor, scores: torch.Tensor, num_matches: int) -> None:
+        """Tree shapes adapt inside `draft_tree`; nothing to update between iterations."""
+
+    def _account(self, start: float, forwards: int = 1) -> None:
+        sync(self.drafter.device)
+        self.stats.drafter_forwards += forwards
+        self.stats.drafter_time_s += time.perf_counter() - start
+
+
+class SpecBlockCandidateGenerator(TreeCandidateGenerator):
     """Drafts a SpecBlock token tree for the target to verify.
 
     The drafter's KV cache holds K slot entries per committed position and persists across iterations: only newly
@@ -51,19 +96,16 @@ class SpecBlockCandidateGenerator(CandidateGenerator):
     entries are cropped away afterwards. The tree is pruned to `tree_budget` nodes by cumulative draft log-prob.
     """
 
-    requires_model_outputs = True
-
     def __init__(
         self,
-        drafter: SpecBlockDraftModel,
+        drafter: "SpecBlockDraftModel",
         tree_budget: int | None = None,
         max_blocks: int | None = None,
         tree_policy: str | None = None,
     ) -> None:
+        super().__init__(drafter, tree_budget)
         config = drafter.config
-        self.drafter = drafter
         self.block_size = config.block_size
-        self.tree_budget = tree_budget if tree_budget is not None else config.tree_budget
         self.max_blocks = max_blocks if max_blocks is not None else config.max_blocks
         self.tree_policy = tree_policy if tree_policy is not None else config.tree_policy
         self.max_followups = config.max_followups
@@ -72,8 +114,6 @@ class SpecBlockCandidateGenerator(CandidateGenerator):
         self.committed_entries = 0
         self.root_block: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self.root_position = 0
-        self.stats = DraftingStats()
-        self.tree: DraftTree | None = None
 
     # ---------------------------------------------------------------------------------------------------------
     def observe(self, target_features: torch.Tensor, next_tokens: torch.LongTensor, first_position: int) -> None:
@@ -97,17 +137,6 @@ class SpecBlockCandidateGenerator(CandidateGenerator):
         self.root_block = (out.logits[0, -1], out.hidden_states[0, -1], out.rank_logits[0, -1])
         self.root_position = first_position + num_pos - 1
         self._account(start)
-
-    def get_candidates(self, input_ids: torch.LongTensor, **kwargs) -> tuple[torch.LongTensor, None]:
-        """`CandidateGenerator` API: the drafted tree's tokens in topological order after `input_ids`.
-
-        The tree structure the verifier needs is kept in `self.tree`.
-        """
-        self.tree = self.draft_tree(int(input_ids[0, -1]))
-        return torch.cat([input_ids, self.tree.tokens[1:][None].to(input_ids.device)], dim=1), None
-
-    def update_candidate_strategy(self, input_ids: torch.LongTensor, scores: torch.Tensor, num_matches: int) -> None:
-        """The tree shape adapts per slot through the rank head; nothing to update between iterations."""
 
     # ---------------------------------------------------------------------------------------------------------
     def draft_tree(self, root_token: int) -> DraftTree:
@@ -204,8 +233,3 @@ class SpecBlockCandidateGenerator(CandidateGenerator):
         new = tree.add_nodes(tokens, parents, depths, scores)
         leaf = (rk > 0) | (slot == k_slots - 1)  # siblings, and chains that reached the block's last slot
         return new, block, slot, leaf
-
-    def _account(self, start: float, forwards: int = 1) -> None:
-        sync(self.drafter.device)
-        self.stats.drafter_forwards += forwards
-        self.stats.drafter_time_s += time.perf_counter() - start

@@ -17,8 +17,8 @@ from transformers.generation import GenerateDecoderOnlyOutput, GenerationMixin, 
 from transformers.cache_utils import DynamicLayer
 from transformers.generation.streamers import BaseStreamer
 
-from .drafting import SpecBlockCandidateGenerator, sync
-from .modeling_specblock import SpecBlockDraftModel
+from .drafting import sync
+from .modeling_tree_drafter import TreeDraftModel
 from .verification import TreeLogitsProcessor, compact_cache, greedy_accept, sample_accept, verify_tree
 
 
@@ -51,7 +51,7 @@ class SpecBlockStats:
 
 def _validate(
     target: PreTrainedModel,
-    drafter: SpecBlockDraftModel,
+    drafter: TreeDraftModel,
     input_ids: torch.LongTensor,
     generation_config: GenerationConfig,
     model_kwargs: dict[str, Any],
@@ -109,7 +109,7 @@ def tree_speculative_decoding(
     generation_config: GenerationConfig,
     synced_gpus: bool = False,
     streamer: BaseStreamer | None = None,
-    assistant_model: SpecBlockDraftModel | None = None,
+    assistant_model: TreeDraftModel | None = None,
     **model_kwargs: Any,
 ) -> GenerateDecoderOnlyOutput | torch.LongTensor:
     """Decode with a SpecBlock drafter; same arguments and outputs as transformers' `_assisted_decoding`."""
@@ -118,7 +118,8 @@ def tree_speculative_decoding(
     if synced_gpus:
         raise ValueError("synced_gpus (DeepSpeed ZeRO-3 / FSDP) is not supported with SpecBlock decoding.")
     drafter.bind_target(model)
-    cache = _full_attention_cache(model, model_kwargs["past_key_values"], generation_config, drafter.config.tree_budget)
+    generator = drafter.candidate_generator()
+    cache = _full_attention_cache(model, model_kwargs["past_key_values"], generation_config, generator.tree_budget)
     feature_layers = drafter.config.target_layer_ids
     tree_processor = TreeLogitsProcessor(logits_processor)
     accept = sample_accept if generation_config.do_sample else greedy_accept
@@ -153,7 +154,6 @@ def tree_speculative_decoding(
     input_ids, kept, done = _commit(input_ids, token.to(input_ids.device), stopping_criteria, processed, streamer)
     scores, raw_logits = _record(scores, raw_logits, processed, raw, kept, want_scores, want_logits)
 
-    generator = SpecBlockCandidateGenerator(drafter)
     if not done:
         context = torch.cat([input_ids[0, :-1][prefix_visible.to(input_ids.device)][1:], input_ids[0, -1:]])
         generator.observe(features, context, first_position=1)
@@ -268,7 +268,7 @@ def _assisted_decoding(
     **model_kwargs: Any,
 ) -> GenerateDecoderOnlyOutput | torch.LongTensor:
     """`GenerationMixin._assisted_decoding`, routed to the tree loop when the assistant is a SpecBlock drafter."""
-    if isinstance(assistant_model, SpecBlockDraftModel):
+    if isinstance(assistant_model, TreeDraftModel):
         return tree_speculative_decoding(
             self, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus, streamer,
             assistant_model, **model_kwargs,
@@ -284,7 +284,7 @@ def _validate_generation_mode(
 ) -> None:
     """Stock validation, preceded by SpecBlock's own checks when the assistant is a SpecBlock drafter."""
     assistant = generation_mode_kwargs.get("assistant_model")
-    if isinstance(assistant, SpecBlockDraftModel):
+    if isinstance(assistant, TreeDraftModel):
         assistant.check_target(self)
         if generation_mode != GenerationMode.ASSISTED_GENERATION:
             raise ValueError(
@@ -295,7 +295,7 @@ def _validate_generation_mode(
 
 
 def install() -> None:
-    """Route `generate(assistant_model=<SpecBlockDraftModel>)` to the tree loop (done on import)."""
+    """Route `generate(assistant_model=<TreeDraftModel>)` to the tree loop (done on import)."""
     GenerationMixin._assisted_decoding = _assisted_decoding
     GenerationMixin._validate_generation_mode = _validate_generation_mode
 
@@ -312,7 +312,7 @@ def generate(model: PreTrainedModel, *args: Any, assistant_model: PreTrainedMode
     Runs transformers' own `generate` preparation (logits processors, stopping criteria, cache) and hands the
     decoding to the tree loop through a `custom_generate` callable; works whether or not `install()` ran.
     """
-    if not isinstance(assistant_model, SpecBlockDraftModel):
+    if not isinstance(assistant_model, TreeDraftModel):
         return GenerationMixin.generate(model, *args, assistant_model=assistant_model, **kwargs)
     streamer = kwargs.pop("streamer", None)
     decoding = functools.partial(_custom_decoding, assistant_model=assistant_model, streamer=streamer)
@@ -325,7 +325,7 @@ def _custom_decoding(
     logits_processor: LogitsProcessorList,
     stopping_criteria: StoppingCriteriaList,
     generation_config: GenerationConfig,
-    assistant_model: SpecBlockDraftModel | None = None,
+    assistant_model: TreeDraftModel | None = None,
     streamer: BaseStreamer | None = None,
     **model_kwargs: Any,
 ) -> GenerateDecoderOnlyOutput | torch.LongTensor:

@@ -7,13 +7,14 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import PreTrainedModel
 from transformers import initialization as init
 from transformers.cache_utils import Cache
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm, LlamaRotaryEmbedding
 from transformers.utils import ModelOutput
 
 from .configuration_specblock import SpecBlockConfig
+from .drafting import SpecBlockCandidateGenerator
+from .modeling_tree_drafter import TreeDraftModel
 from .tree import additive_mask, block_causal_mask
 
 NUM_RANK_FEATURES = 15
@@ -53,17 +54,12 @@ def rank_features(logits: torch.Tensor) -> torch.Tensor:
     return torch.cat([top_logp[..., :10], gaps, top1_prob, entropy], dim=-1)
 
 
-class SpecBlockPreTrainedModel(PreTrainedModel):
+class SpecBlockPreTrainedModel(TreeDraftModel):
     config_class = SpecBlockConfig
     config: SpecBlockConfig
     base_model_prefix = "specblock"
-    main_input_name = "input_ids"
     supports_gradient_checkpointing = False
     _no_split_modules = ["LlamaDecoderLayer"]
-    _supports_sdpa = True
-    # Only the additive float tree masks of eager / sdpa attention express a token tree.
-    _supports_flash_attn = False
-    _supports_flex_attn = False
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
@@ -83,7 +79,7 @@ class SpecBlockDraftModel(SpecBlockPreTrainedModel):
     shift -> final norm -> `lm_head` over the draft vocabulary, plus a rank head predicting how far down the draft
     distribution the target's token lies. Slot k of position i sits at rotary position `position_ids[i] + k`.
 
-    The token path reads the TARGET's input embedding, bound with [`bind_target`] and never saved with the drafter.
+    The token path reads the TARGET's input embedding, bound with `bind_target` and never saved with the drafter.
     """
 
     def __init__(self, config: SpecBlockConfig) -> None:
@@ -112,56 +108,11 @@ class SpecBlockDraftModel(SpecBlockPreTrainedModel):
         # draft id -> target id, and which target ids the draft vocabulary holds
         self.register_buffer("d2t", torch.arange(config.draft_vocab_size), persistent=True)
         self.register_buffer("t2d", torch.arange(config.vocab_size) < config.draft_vocab_size, persistent=True)
-        self.__dict__["_target_embedding"] = None  # plain attribute: kept out of state_dict and .to()
-        self.last_stats = None
         self.post_init()
 
-    # ----------------------------------------------------------------------------------------------------------
-    # Binding to a target
-    # ----------------------------------------------------------------------------------------------------------
-    @classmethod
-    def from_target(cls, target: PreTrainedModel, **overrides) -> "SpecBlockDraftModel":
-        """A freshly initialised drafter sized for `target` (see `SpecBlockConfig.from_target_config`)."""
-        config = SpecBlockConfig.from_target_config(target.config, **overrides)
-        drafter = cls(config).to(device=target.device, dtype=target.dtype).eval()
-        drafter.bind_target(target)
-        return drafter
-
-    def check_target(self, target: PreTrainedModel) -> None:
-        """Raise a ValueError naming both values if `target` is not the model this drafter was built for."""
-        text_config = target.config.get_text_config()
-        embedding = target.get_input_embeddings()
-        checks = [
-            ("vocab_size", self.config.vocab_size, embedding.num_embeddings),
-            ("hidden_size", self.config.target_hidden_size, text_config.hidden_size),
-            ("num_hidden_layers", self.config.target_num_hidden_layers, text_config.num_hidden_layers),
-        ]
-        for name, expected, actual in checks:
-            if expected != actual:
-                raise ValueError(
-                    f"This drafter was built for a target with {name}={expected}, but the target model has "
-                    f"{name}={actual}. Load a drafter trained for this target, or build one with "
-                    f"`{type(self).__name__}.from_target(target)`."
-                )
-
-    def bind_target(self, target: PreTrainedModel) -> None:
-        """Use `target`'s (frozen) input embedding as the drafter's token path."""
-        self.check_target(target)
-        self.__dict__["_target_embedding"] = target.get_input_embeddings()
-
-    @property
-    def target_embedding(self) -> nn.Module:
-        if self._target_embedding is None:
-            raise RuntimeError(
-                "The drafter is not bound to a target: call `drafter.bind_target(target)` (generate() does it)."
-            )
-        return self._target_embedding
-
-    def embed_target_tokens(self, input_ids: torch.LongTensor) -> torch.Tensor:
-        """Target token embeddings (no gradient: the target's embedding stays frozen)."""
-        with torch.no_grad():
-            emb = self.target_embedding(input_ids.to(self.target_embedding.weight.device))
-        return emb.to(device=self.device, dtype=self.dtype)
+    def candidate_generator(self, **overrides) -> SpecBlockCandidateGenerator:
+        """A SpecBlock candidate generator for one `generate` call (overrides: tree_budget, max_blocks, ...)."""
+        return SpecBlockCandidateGenerator(self, **overrides)
 
     # ----------------------------------------------------------------------------------------------------------
     # Drafting

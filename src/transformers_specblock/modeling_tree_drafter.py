@@ -1,0 +1,79 @@
+"""Base class of the feature-level tree drafters (SpecBlock, EAGLE-3) driven by the package's generate loop."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+from transformers import PreTrainedModel
+
+if TYPE_CHECKING:
+    from .drafting import TreeCandidateGenerator
+
+
+class TreeDraftModel(PreTrainedModel):
+    """A drafter that reads a frozen target's hidden states and proposes token trees.
+
+    Its config names the target it was built for (`vocab_size`, `target_hidden_size`, `target_num_hidden_layers`,
+    `target_layer_ids`); its token path reads the TARGET's input embedding, bound with `bind_target` and never saved
+    with the drafter. `generate(assistant_model=<TreeDraftModel>)` runs the tree loop with `candidate_generator()`.
+    """
+
+    main_input_name = "input_ids"
+    _supports_sdpa = True
+    # Only the additive float tree masks of eager / sdpa attention express a token tree.
+    _supports_flash_attn = False
+    _supports_flex_attn = False
+
+    def __init__(self, config, *args: Any, **kwargs: Any) -> None:
+        super().__init__(config, *args, **kwargs)
+        self.__dict__["_target_embedding"] = None  # plain attribute: kept out of state_dict and .to()
+        self.last_stats = None
+
+    @classmethod
+    def from_target(cls, target: PreTrainedModel, **overrides: Any) -> "TreeDraftModel":
+        """A freshly initialised drafter sized for `target` (see the config's `from_target_config`)."""
+        config = cls.config_class.from_target_config(target.config, **overrides)
+        drafter = cls(config).to(device=target.device, dtype=target.dtype).eval()
+        drafter.bind_target(target)
+        return drafter
+
+    def candidate_generator(self, **overrides: Any) -> "TreeCandidateGenerator":
+        """A fresh candidate generator (with its own drafter KV cache) for one `generate` call."""
+        raise NotImplementedError(f"{type(self).__name__} must implement candidate_generator().")
+
+    def check_target(self, target: PreTrainedModel) -> None:
+        """Raise a ValueError naming both values if `target` is not the model this drafter was built for."""
+        text_config = target.config.get_text_config()
+        checks = [
+            ("vocab_size", self.config.vocab_size, target.get_input_embeddings().num_embeddings),
+            ("hidden_size", self.config.target_hidden_size, text_config.hidden_size),
+            ("num_hidden_layers", self.config.target_num_hidden_layers, text_config.num_hidden_layers),
+        ]
+        for name, expected, actual in checks:
+            if expected != actual:
+                raise ValueError(
+                    f"This drafter was built for a target with {name}={expected}, but the target model has "
+                    f"{name}={actual}. Load a drafter trained for this target, or build one with "
+                    f"`{type(self).__name__}.from_target(target)`."
+                )
+
+    def bind_target(self, target: PreTrainedModel) -> None:
+        """Use `target`'s (frozen) input embedding as the drafter's token path."""
+        self.check_target(target)
+        self.__dict__["_target_embedding"] = target.get_input_embeddings()
+
+    @property
+    def target_embedding(self) -> nn.Module:
+        if self._target_embedding is None:
+            raise RuntimeError(
+                "The drafter is not bound to a target: call `drafter.bind_target(target)` (generate() does it)."
+            )
+        return self._target_embedding
+
+    def embed_target_tokens(self, input_ids: torch.LongTensor) -> torch.Tensor:
+        """Target token embeddings (no gradient: the target's embedding stays frozen)."""
+        with torch.no_grad():
+            emb = self.target_embedding(input_ids.to(self.target_embedding.weight.device))
+        return emb.to(device=self.device, dtype=self.dtype)
