@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 from transformers import PreTrainedModel
+
+from .modelcard import build_model_card
 
 if TYPE_CHECKING:
     from .drafting import TreeCandidateGenerator
@@ -35,9 +38,17 @@ class TreeDraftModel(PreTrainedModel):
     def from_target(cls, target: PreTrainedModel, **overrides: Any) -> "TreeDraftModel":
         """A freshly initialised drafter sized for `target` (see the config's `from_target_config`)."""
         config = cls.config_class.from_target_config(target.config, **overrides)
+        config.target_name_or_path = target.name_or_path or target.config.get_text_config().model_type
         drafter = cls(config).to(device=target.device, dtype=target.dtype).eval()
         drafter.bind_target(target)
         return drafter
+
+    def save_pretrained(self, save_directory: str | os.PathLike, *args: Any, **kwargs: Any) -> Any:
+        """`PreTrainedModel.save_pretrained`, plus a generated Hub model card (`README.md`) from the config's records."""
+        result = super().save_pretrained(save_directory, *args, **kwargs)
+        if kwargs.get("is_main_process", True):
+            build_model_card(self).save(os.path.join(save_directory, "README.md"))
+        return result
 
     def candidate_generator(self, **overrides: Any) -> "TreeCandidateGenerator":
         """A fresh candidate generator (with its own drafter KV cache) for one `generate` call."""
