@@ -2,16 +2,25 @@
 
 * ``specblock-train``: `train_main` (also ``accelerate launch -m transformers_specblock.train ...`` or
   ``torchrun -m transformers_specblock.train ...``).
+* ``specblock-bench``: `bench_main`.
 """
 
 from __future__ import annotations
 
+import shlex
 import sys
 from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
 
-from transformers import HfArgumentParser
+from transformers import AutoModel, HfArgumentParser
 
+from .assets import load_packaged_model, load_prompts
+from .benchmark import REFERENCE, Method, run_benchmark, write_report
+from .modeling_tree_drafter import TreeDraftModel
 from .training import DataArguments, ModelArguments, SpecBlockTrainingArguments, run_training
+
+SHIPPED_MODELS_DIR = Path(__file__).resolve().parents[2] / "models"
 
 
 def parse_train_args(
@@ -38,8 +47,100 @@ def train_main(argv: Sequence[str] | None = None) -> None:
     Metrics land in ``<output_dir>/all_results.json`` and ``trainer_state.json``; call
     `transformers_specblock.training.run_training` to get the trainer object instead.
     """
+    argv = list(sys.argv[1:] if argv is None else argv)
     model_args, data_args, training_args = parse_train_args(argv)
-    run_training(model_args, data_args, training_args)
+    run_training(model_args, data_args, training_args, command="specblock-train " + shlex.join(argv))
 
 
-# ``bench_main`` (the ``specblock-bench`` entry point declared in pyproject.toml) is added here separately.
+
+
+@dataclass
+class BenchArguments:
+    target_model: str = field(metadata={"help": "Packaged model name or local HF model folder."})
+    methods: str = field(
+        default="plain,prompt_lookup,specblock",
+        metadata={
+            "help": "Comma list of: plain (always run, the reference), prompt_lookup, assisted, specblock, "
+            "specblock_fixed_tree, specblock_one_block, eagle3."
+        },
+    )
+    dataset: str = field(default="mt_bench", metadata={"help": "mt_bench, humaneval, sharegpt or a JSONL file."})
+    num_prompts: int | None = field(default=8)
+    max_new_tokens: int = field(default=128)
+    output_dir: str = field(default="out/bench")
+    specblock_model: str | None = field(default=None, metadata={"help": "Default: the shipped drafter."})
+    eagle3_model: str | None = field(default=None, metadata={"help": "Default: the shipped EAGLE-3 drafter."})
+    assistant_model: str | None = field(
+        default=None, metadata={"help": "Packaged name / folder of a small LM for transformers' assisted generation."}
+    )
+    prompt_lookup_num_tokens: int = field(default=10)
+    tree_budget: int | None = field(default=None, metadata={"help": "Override the drafters' tree budget."})
+    do_sample: bool = field(default=False)
+    temperature: float = field(default=1.0)
+    seed: int = field(default=0)
+
+
+def shipped_drafter_path(kind: str, target_model: str) -> Path:
+    """`models/<kind>-<target>` of this repository checkout (where the shipped drafters live)."""
+    return SHIPPED_MODELS_DIR / f"{kind}-{Path(target_model).name}"
+
+
+def _load_drafter(path: str | None, kind: str, target_model: str, target) -> TreeDraftModel:
+    folder = Path(path) if path else shipped_drafter_path(kind, target_model)
+    if not (folder / "config.json").exists():
+        raise FileNotFoundError(f"No {kind} drafter at {folder}: pass --{kind}_model with a trained drafter folder.")
+    drafter = AutoModel.from_pretrained(folder, dtype=target.dtype).to(target.device).eval()
+    drafter.bind_target(target)
+    return drafter
+
+
+def build_methods(args: BenchArguments, target) -> list[Method]:
+    """The `Method`s named in `args.methods` (the plain reference is added by `run_benchmark`)."""
+    names = [n.strip() for n in args.methods.split(",") if n.strip() and n.strip() != REFERENCE]
+    tree = {"tree_budget": args.tree_budget} if args.tree_budget else {}
+    drafters: dict[str, TreeDraftModel] = {}
+    methods = []
+    for name in names:
+        kind = "eagle3" if name == "eagle3" else "specblock"
+        if name == "prompt_lookup":
+            methods.append(Method(name, {"prompt_lookup_num_tokens": args.prompt_lookup_num_tokens}))
+        elif name == "assisted":
+            if not args.assistant_model:
+                raise ValueError("--methods assisted needs --assistant_model (e.g. qwen2.5-coder-0.5b-instruct).")
+            assistant, _ = load_packaged_model(args.assistant_model, dtype=target.dtype)
+            methods.append(Method(name, {"assistant_model": assistant}))
+        elif name in ("specblock", "specblock_fixed_tree", "specblock_one_block", "eagle3"):
+            if kind not in drafters:
+                path = args.eagle3_model if kind == "eagle3" else args.specblock_model
+                drafters[kind] = _load_drafter(path, kind, args.target_model, target)
+            settings = dict(tree)
+            settings |= {"specblock_fixed_tree": {"tree_policy": "fixed"}, "specblock_one_block": {"max_blocks": 1}}.get(
+                name, {}
+            )
+            methods.append(Method(name, {"assistant_model": drafters[kind]}, settings))
+        else:
+            raise ValueError(f"Unknown method {name!r}; see --help for the choices.")
+    return methods
+
+
+def bench_main(argv: Sequence[str] | None = None) -> None:
+    """``specblock-bench``: compare decoding methods on real prompts; writes results.json / results.md / figures.
+
+    Example::
+
+        specblock-bench --target_model smollm2-135m-instruct --methods plain,prompt_lookup,specblock \\
+            --dataset mt_bench --num_prompts 8 --max_new_tokens 128 --output_dir out/bench
+    """
+    (args,) = HfArgumentParser(BenchArguments).parse_args_into_dataclasses(args=argv)
+    target, tokenizer = load_packaged_model(args.target_model)
+    prompts = load_prompts(args.dataset, num_prompts=args.num_prompts, tokenizer=tokenizer)
+    methods = build_methods(args, target)
+    Path(args.output_dir).mkdir(parents=True, exist_ok=True)
+    sampling = {"temperature": args.temperature, "top_k": None, "top_p": None} if args.do_sample else {}
+    results = run_benchmark(
+        target, tokenizer, prompts, methods, max_new_tokens=args.max_new_tokens, do_sample=args.do_sample,
+        seed=args.seed, output_dir=args.output_dir, **sampling,
+    )  # fmt: skip
+    results.settings |= {"target_model": args.target_model, "dataset": args.dataset}
+    write_report(results, args.output_dir)
+    print((Path(args.output_dir) / "results.md").read_text())

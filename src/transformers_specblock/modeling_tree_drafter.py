@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -49,6 +51,22 @@ class TreeDraftModel(PreTrainedModel):
         if kwargs.get("is_main_process", True):
             build_model_card(self).save(os.path.join(save_directory, "README.md"))
         return result
+
+    @contextmanager
+    def tree_settings(self, **settings: Any) -> Iterator["TreeDraftModel"]:
+        """Temporarily change tree settings of the config, e.g. `with drafter.tree_settings(tree_budget=16): ...`."""
+        unknown = [name for name in settings if not hasattr(self.config, name)]
+        if unknown:
+            raise ValueError(f"{type(self.config).__name__} has no setting(s) {unknown}.")
+        saved = {name: getattr(self.config, name) for name in settings}
+        try:
+            for name, value in settings.items():
+                setattr(self.config, name, value)
+            self.config.validate_settings()
+            yield self
+        finally:
+            for name, value in saved.items():
+                setattr(self.config, name, value)
 
     def candidate_generator(self, **overrides: Any) -> "TreeCandidateGenerator":
         """A fresh candidate generator (with its own drafter KV cache) for one `generate` call."""

@@ -1,0 +1,252 @@
+"""Benchmark: methods run interleaved per prompt in one process, so machine drift hits all of them alike.
+
+`run_benchmark` times plain `target.generate` (the reference) against other decoding methods (prompt lookup,
+assisted generation, tree drafters and their ablations) on a prompt set and records, per prompt and method: new
+tokens, seconds, tau, drafting / verification time, drafter forwards and nodes per iteration, and whether the greedy
+output equals the reference. Per-prompt rows are appended to `per_prompt.jsonl`, so an interrupted run resumes.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import datasets
+import torch
+from tqdm.auto import tqdm
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from .modeling_tree_drafter import TreeDraftModel
+
+REFERENCE = "plain"
+
+
+@dataclass
+class Method:
+    """A decoding method: extra `generate` kwargs, plus tree settings applied to its drafter for the call."""
+
+    name: str
+    generate_kwargs: dict[str, Any] = field(default_factory=dict)
+    tree_settings: dict[str, Any] = field(default_factory=dict)
+
+    def context(self):
+        drafter = self.generate_kwargs.get("assistant_model")
+        if isinstance(drafter, TreeDraftModel) and self.tree_settings:
+            return drafter.tree_settings(**self.tree_settings)
+        return nullcontext()
+
+
+@dataclass
+class PromptResult:
+    method: str
+    prompt_id: str
+    category: str
+    new_tokens: int
+    seconds: float
+    identical_to_reference: bool | None
+    tau: float | None = None
+    iterations: int | None = None
+    drafter_time_s: float | None = None
+    target_time_s: float | None = None
+    drafter_forwards: int | None = None
+    nodes_verified: int | None = None
+    peak_memory_mb: float | None = None
+
+
+@dataclass
+class BenchmarkResults:
+    settings: dict[str, Any]
+    prompts: list[PromptResult] = field(default_factory=list)
+
+    def summary(self, category: str | None = None) -> dict[str, dict[str, Any]]:
+        """Per method: tokens/s, speed-up over the reference on the same prompts, tau, shares, exactness."""
+        rows = [r for r in self.prompts if category is None or r.category == category]
+        reference_s = sum(r.seconds for r in rows if r.method == REFERENCE)
+        out: dict[str, dict[str, Any]] = {}
+        for method in dict.fromkeys(r.method for r in rows):
+            mine = [r for r in rows if r.method == method]
+            seconds, tokens = sum(r.seconds for r in mine), sum(r.new_tokens for r in mine)
+            trees = [r for r in mine if r.iterations]
+            iters = sum(r.iterations for r in trees)
+            draft_s, verify_s = sum(r.drafter_time_s for r in trees), sum(r.target_time_s for r in trees)
+            out[method] = {
+                "tokens_per_s": tokens / seconds,
+                "speedup": reference_s / seconds if reference_s else None,
+                "tau": sum(r.tau * r.iterations for r in trees) / iters if iters else None,
+                "drafting_share": draft_s / (draft_s + verify_s) if trees else None,
+                "drafter_forwards_per_iter": sum(r.drafter_forwards for r in trees) / iters if iters else None,
+                "nodes_per_iter": sum(r.nodes_verified for r in trees) / iters if iters else None,
+                "time_per_iter_ms": _time_split(trees, iters),
+                "peak_memory_mb": max((r.peak_memory_mb or 0.0) for r in mine) or None,
+                "identical_to_reference": all(r.identical_to_reference is not False for r in mine),
+                "num_prompts": len(mine),
+            }
+        return out
+
+    def payload(self) -> dict[str, Any]:
+        categories = sorted({r.category for r in self.prompts})
+        return {
+            "settings": self.settings,
+            "methods": self.summary(),
+            "per_category": {c: self.summary(c) for c in categories},
+            "per_prompt": [asdict(r) for r in self.prompts],
+        }
+
+
+def _time_split(trees: list[PromptResult], iters: int) -> dict[str, float] | None:
+    """Mean milliseconds per iteration spent drafting, verifying and in the rest of the loop."""
+    if not iters:
+        return None
+    draft = sum(r.drafter_time_s for r in trees) / iters * 1e3
+    verify = sum(r.target_time_s for r in trees) / iters * 1e3
+    total = sum(r.seconds for r in trees) / iters * 1e3
+    return {"drafting": draft, "verification": verify, "overhead": max(0.0, total - draft - verify)}
+
+
+def _peak_memory_mb(device: torch.device) -> float | None:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return None
+
+
+def run_benchmark(
+    target: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    prompts: datasets.Dataset,
+    methods: list[Method],
+    max_new_tokens: int = 128,
+    do_sample: bool = False,
+    seed: int = 0,
+    output_dir: str | Path | None = None,
+    **generate_kwargs: Any,
+) -> BenchmarkResults:
+    """Run the reference and every method on each prompt (interleaved); resumable through `output_dir`."""
+    settings = {"max_new_tokens": max_new_tokens, "do_sample": do_sample, "seed": seed, **generate_kwargs}
+    settings |= {"methods": [REFERENCE] + [m.name for m in methods], "num_prompts": len(prompts)}
+    results = BenchmarkResults(settings=settings)
+    log = Path(output_dir, "per_prompt.jsonl") if output_dir is not None else None
+    if log is not None and log.exists():
+        results.prompts = [PromptResult(**json.loads(line)) for line in log.read_text().splitlines() if line]
+    done = {(r.prompt_id, r.method) for r in results.prompts}
+    all_methods = [Method(REFERENCE), *methods]
+    for row in tqdm(prompts, desc="benchmark prompts"):
+        prompt_id = str(row["id"])
+        if all((prompt_id, m.name) in done for m in all_methods):
+            continue
+        results.prompts = [r for r in results.prompts if r.prompt_id != prompt_id]  # redo a half-done prompt
+        text = row.get("text") or tokenizer.apply_chat_template(
+            [{"role": "user", "content": row["prompt"]}], tokenize=False, add_generation_prompt=True
+        )
+        inputs = tokenizer(text, return_tensors="pt", add_special_tokens=False).to(target.device)
+        prompt_len = inputs["input_ids"].shape[1]
+        reference: list[int] | None = None
+        new_rows = []
+        for method in all_methods:
+            torch.manual_seed(seed)
+            if target.device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(target.device)
+            drafter = method.generate_kwargs.get("assistant_model")
+            with method.context():
+                start = time.perf_counter()
+                out = target.generate(
+                    **inputs, max_new_tokens=max_new_tokens, do_sample=do_sample,
+                    **generate_kwargs, **method.generate_kwargs,
+                )  # fmt: skip
+                seconds = time.perf_counter() - start
+            tokens = out[0, prompt_len:].tolist()
+            reference = tokens if method.name == REFERENCE else reference
+            stats = drafter.last_stats if isinstance(drafter, TreeDraftModel) else None
+            new_rows.append(
+                PromptResult(
+                    method=method.name,
+                    prompt_id=prompt_id,
+                    category=row["category"],
+                    new_tokens=len(tokens),
+                    seconds=seconds,
+                    identical_to_reference=None if do_sample else tokens == reference,
+                    tau=stats.tau if stats else None,
+                    iterations=stats.iterations if stats else None,
+                    drafter_time_s=stats.drafter_time_s if stats else None,
+                    target_time_s=stats.target_time_s if stats else None,
+                    drafter_forwards=stats.drafter_forwards if stats else None,
+                    nodes_verified=sum(stats.nodes_per_iteration) if stats else None,
+                    peak_memory_mb=_peak_memory_mb(target.device),
+                )
+            )
+        results.prompts += new_rows
+        if log is not None:
+            with log.open("a") as sink:
+                sink.writelines(json.dumps(asdict(r)) + "\n" for r in new_rows)
+    return results
+
+
+def write_report(results: BenchmarkResults, output_dir: str | Path) -> None:
+    """results.json, results.md (tables) and figures (speed-up / tau per category; time split per iteration)."""
+    output_dir = Path(output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    payload = results.payload()
+    (output_dir / "results.json").write_text(json.dumps(payload, indent=2))
+    (output_dir / "results.md").write_text(markdown_tables(payload))
+    plot_results(payload, output_dir)
+
+
+def markdown_tables(payload: dict[str, Any]) -> str:
+    columns = ["tokens_per_s", "speedup", "tau", "drafting_share", "drafter_forwards_per_iter", "nodes_per_iter",
+               "identical_to_reference"]  # fmt: skip
+    lines = []
+    for title, block in [("all prompts", payload["methods"])] + list(payload["per_category"].items()):
+        lines += [f"### {title}", "", "| method | " + " | ".join(columns) + " |", "|---" * (len(columns) + 1) + "|"]
+        for method, row in block.items():
+            cells = [_fmt(row[c]) for c in columns]
+            lines.append(f"| {method} | " + " | ".join(cells) + " |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _fmt(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return "yes" if value else "NO"
+    return f"{value:.3g}" if isinstance(value, float) else str(value)
+
+
+def plot_results(payload: dict[str, Any], output_dir: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    categories = list(payload["per_category"])
+    methods = [m for m in payload["methods"] if m != REFERENCE]
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4))
+    width = 0.8 / max(1, len(methods))
+    for ax, key in zip(axes, ("speedup", "tau")):
+        for i, method in enumerate(methods):
+            values = [payload["per_category"][c].get(method, {}).get(key) or 0.0 for c in categories]
+            ax.bar([x + i * width for x in range(len(categories))], values, width, label=method)
+        ax.set_xticks([x + width * (len(methods) - 1) / 2 for x in range(len(categories))], categories, rotation=30)
+        ax.set_title(key)
+        ax.axhline(1.0, color="grey", lw=0.8)
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(output_dir / "speedup_tau.png", dpi=120)
+    plt.close(fig)
+
+    split = {m: payload["methods"][m]["time_per_iter_ms"] for m in methods if payload["methods"][m]["time_per_iter_ms"]}
+    if split:
+        fig, ax = plt.subplots(figsize=(7, 4))
+        bottom = [0.0] * len(split)
+        for part in ("drafting", "verification", "overhead"):
+            values = [split[m][part] for m in split]
+            ax.bar(list(split), values, bottom=bottom, label=part)
+            bottom = [b + v for b, v in zip(bottom, values)]
+        ax.set_ylabel("ms per iteration")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(output_dir / "time_per_iteration.png", dpi=120)
+        plt.close(fig)
