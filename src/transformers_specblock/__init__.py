@@ -10,9 +10,12 @@ import os
 from transformers import AutoConfig, AutoModel
 
 from .assets import load_packaged_model, load_prompts
+from .configuration_eagle3 import Eagle3Config
 from .configuration_specblock import SpecBlockConfig
+from .drafting_eagle3 import Eagle3CandidateGenerator
 from .drafting import SpecBlockCandidateGenerator
 from .generation import SpecBlockStats, generate, install, tree_speculative_decoding, uninstall
+from .modeling_eagle3 import Eagle3DraftModel, Eagle3Output
 from .modeling_specblock import SpecBlockDraftModel, SpecBlockOutput
 from .modeling_tree_drafter import TreeDraftModel
 from .tree import DraftTree
@@ -28,6 +31,10 @@ install()
 __all__ = [
     "CUSTOM_GENERATE_DIR",
     "DraftTree",
+    "Eagle3CandidateGenerator",
+    "Eagle3Config",
+    "Eagle3DraftModel",
+    "Eagle3Output",
     "SpecBlockCandidateGenerator",
     "SpecBlockConfig",
     "SpecBlockDraftModel",

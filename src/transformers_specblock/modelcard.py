@@ -66,7 +66,7 @@ output stays exactly the target's own (greedy) or its distribution (sampling).
 
 - Parameters (without the target embedding): {num_params / 1e6:.1f} M; draft vocabulary
   {getattr(config, "draft_vocab_size", config.vocab_size)} of {config.vocab_size} target tokens.
-- Tree defaults: {json.dumps({k: getattr(config, k) for k in ("block_size", "max_blocks", "tree_budget") if hasattr(config, k)})}
+- Tree defaults: {json.dumps({k: getattr(config, k) for k in ("block_size", "max_blocks", "tree_top_k", "tree_depth", "tree_budget", "ttt_steps") if hasattr(config, k)})}
 
 ## Usage
 

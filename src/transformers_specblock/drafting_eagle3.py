@@ -1,0 +1,127 @@
+"""Drafting with an EAGLE-3 drafter: the dynamic top-k token tree of EAGLE-2 / EAGLE-3."""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+import torch
+from transformers import DynamicCache
+
+from .drafting import TreeCandidateGenerator
+from .tree import DraftTree
+from .verification import truncate_cache
+
+if TYPE_CHECKING:
+    from .modeling_eagle3 import Eagle3DraftModel
+
+
+class Eagle3CandidateGenerator(TreeCandidateGenerator):
+    """Drafts an EAGLE-3 dynamic tree for the target to verify.
+
+    The drafter's KV cache holds one entry per committed position and persists across iterations: `observe` feeds
+    only the newly committed positions (one forward) and keeps the last position's output (its logits give the
+    root's children, its hidden is their `hidden` input). `draft_tree` then:
+
+    1. root: the top-k draft tokens of that output become depth-1 nodes (score = their log-prob) and the frontier;
+    2. `depth` expansion rounds, ONE drafter forward each over the (at most k) frontier nodes: a node's input is its
+       own token plus the pre-norm hidden of the drafter position that produced it (the parent's output), at rotary
+       position root + node depth; it attends to the whole committed cache, its ancestors' temporary entries and
+       itself (the cache grows by the frontier's entries every round). Each frontier node gets its top-k children
+       with cumulative score = parent score + child log-prob; ALL k^2 children are added to the tree (as EAGLE-2's
+       `scores_list` keeps every child for the final selection), and the top-k of the k^2 by cumulative score become
+       the next frontier;
+    3. prune to `tree_budget` drafted nodes by cumulative log-probability (`DraftTree.prune`, ancestors kept).
+
+    The temporary entries are cropped from the drafter cache afterwards. Rounds that cannot survive pruning are
+    skipped: a node at level L needs L kept nodes, so at most `tree_budget - 1` rounds run. Forwards per iteration:
+    1 (`observe`) + min(depth, tree_budget - 1).
+    """
+
+    def __init__(
+        self,
+        drafter: "Eagle3DraftModel",
+        tree_budget: int | None = None,
+        top_k: int | None = None,
+        depth: int | None = None,
+    ) -> None:
+        super().__init__(drafter, tree_budget)
+        config = drafter.config
+        top_k = top_k if top_k is not None else config.tree_top_k
+        self.depth = depth if depth is not None else config.tree_depth
+        if top_k < 1 or self.depth < 0 or self.tree_budget < 1:
+            raise ValueError(
+                f"Need top_k >= 1, depth >= 0 and tree_budget >= 1, got {top_k}, {self.depth}, {self.tree_budget}."
+            )
+        self.top_k = min(top_k, config.draft_vocab_size)
+        self.cache = DynamicCache()
+        self.committed_entries = 0
+        self.root_output: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.root_position = 0
+
+    # ---------------------------------------------------------------------------------------------------------
+    def observe(self, target_features: torch.Tensor, next_tokens: torch.LongTensor, first_position: int) -> None:
+        """Feed newly committed positions i (features f_i, token x_{i+1}); keep the last one's output.
+
+        target_features: [P, 3 * H_target]; next_tokens: [P]; first_position: rotary position of next_tokens[0].
+        """
+        num_pos = next_tokens.shape[0]
+        device = self.drafter.device
+        start = time.perf_counter()
+        new = torch.ones(num_pos, num_pos, dtype=torch.bool, device=device).tril()
+        past = torch.ones(num_pos, self.committed_entries, dtype=torch.bool, device=device)
+        positions = torch.arange(first_position, first_position + num_pos, device=device)[None]
+        out = self.drafter.draft_step(
+            self.drafter.fuse_features(target_features)[None],
+            next_tokens.to(device)[None],
+            positions,
+            torch.cat([past, new], dim=1)[None],
+            self.cache,
+        )
+        self.committed_entries = self.cache.get_seq_length()
+        self.root_output = (out.logits[0, -1], out.hidden_states[0, -1])
+        self.root_position = first_position + num_pos - 1
+        self._account(start)
+
+    # ---------------------------------------------------------------------------------------------------------
+    def draft_tree(self, root_token: int) -> DraftTree:
+        """Grow the dynamic top-k tree from the last committed token (whose output `observe` already computed)."""
+        if self.root_output is None:
+            raise RuntimeError("observe() must feed the committed context before draft_tree().")
+        start = time.perf_counter()
+        device = self.drafter.device
+        d2t = self.drafter.d2t
+        k = self.top_k
+        tree = DraftTree.root_only(root_token, device)
+        logits, hidden = self.root_output
+        top_lp, top_ids = logits.float().log_softmax(-1).topk(k)
+        ones = torch.ones(k, dtype=torch.long, device=device)
+        frontier = tree.add_nodes(d2t[top_ids], ones - 1, ones, top_lp)  # children of the root, at depth 1
+        frontier_hidden = hidden[None].expand(k, -1)  # every depth-1 node was produced by the root position
+        frontier_visible = torch.zeros(k, 0, dtype=torch.bool, device=device)  # over this iteration's entries
+        rounds = min(self.depth, self.tree_budget - 1)
+        for _ in range(rounds):
+            n = frontier.numel()
+            # the frontier's ancestors' entries, then each node's own new entry
+            visible = torch.cat([frontier_visible, torch.eye(n, dtype=torch.bool, device=device)], dim=1)
+            committed = torch.ones(n, self.committed_entries, dtype=torch.bool, device=device)
+            out = self.drafter.draft_step(
+                frontier_hidden[None],
+                tree.tokens[frontier][None],
+                (self.root_position + tree.depths[frontier])[None],
+                torch.cat([committed, visible], dim=1)[None],
+                self.cache,
+            )
+            self.stats.drafter_forwards += 1
+            child_lp, child_ids = out.logits[0].float().log_softmax(-1).topk(k, dim=-1)  # [n, k]
+            cumulative = (tree.scores[frontier][:, None] + child_lp).flatten()  # parent-major
+            parents = frontier.repeat_interleave(k)
+            children = tree.add_nodes(d2t[child_ids.flatten()], parents, tree.depths[parents] + 1, cumulative)
+            best = cumulative.topk(min(k, cumulative.numel())).indices
+            frontier = children[best]
+            frontier_hidden = out.hidden_states[0][best // k]
+            frontier_visible = visible[best // k]
+        truncate_cache(self.cache, self.committed_entries)
+        self.stats.blocks_per_iteration.append(rounds)
+        self._account(start, forwards=0)
+        return tree.prune(self.tree_budget)

@@ -1,0 +1,392 @@
+"""EAGLE-3 drafter (Li et al. 2025, arXiv 2503.01840), the in-package baseline SpecBlock is measured against.
+
+Architecture (one drafter position i: target features f_i, token x_{i+1} at rotary position i+1, predicts x_{i+2}):
+
+    hidden_i = fc(concat(f_low, f_mid, f_high))                        # 3 * H_target -> H
+    a_i      = concat(RMSNorm(E_target[x_{i+1}]), RMSNorm(hidden_i))   # H_target + H (= 2H)
+    h_i      = hidden_i + o_proj(Attention(q/k/v_proj(a_i)))           # one Llama-style layer, q/k/v read 2H
+    h_i      = h_i + MLP(RMSNorm(h_i))
+    logits_i = lm_head(RMSNorm(h_i))                                   # over the draft vocabulary (d2t / t2d)
+
+`h_i` (pre-norm) is the drafter's own H-dim output: at deeper tree depths (and in later training-time-test steps) it
+replaces the fused target feature as the `hidden` input of the next position. `E_target` is the frozen target input
+embedding, bound with `bind_target` and never saved with the drafter.
+
+Importing this module registers `Eagle3Config` / `Eagle3DraftModel` with `AutoConfig` / `AutoModel`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from transformers import AutoConfig, AutoModel
+from transformers import initialization as init
+from transformers.cache_utils import Cache
+from transformers.models.llama.modeling_llama import (
+    LlamaAttention,
+    LlamaMLP,
+    LlamaRMSNorm,
+    LlamaRotaryEmbedding,
+    apply_rotary_pos_emb,
+    repeat_kv,
+)
+from transformers.utils import ModelOutput
+
+from .configuration_eagle3 import Eagle3Config
+from .drafting_eagle3 import Eagle3CandidateGenerator
+from .modeling_tree_drafter import TreeDraftModel
+from .tree import additive_mask
+
+__all__ = [
+    "Eagle3Attention",
+    "Eagle3Config",
+    "Eagle3DecoderLayer",
+    "Eagle3DraftModel",
+    "Eagle3Output",
+    "eagle3_stat_names",
+]
+
+
+@dataclass
+class Eagle3Output(ModelOutput):
+    """Drafter outputs for P positions.
+
+    loss:         the training-time-test loss `sum_s ttt_decay**s * step_losses[s]` (when labels were given)
+    logits:       [B, P, draft_vocab] step-0 logits (teacher-forced on the target features)
+    hidden_states:[B, P, H] step-0 pre-norm outputs (the `hidden` input of the next depth / step)
+    step_losses:  [ttt_steps] mean soft cross-entropy of every unroll step
+    all_logits:   per unroll step, [B, P, draft_vocab] (only with `return_all_steps=True`)
+    stats:        detached metric sums in the layout of `eagle3_stat_names(ttt_steps)`
+    """
+
+    loss: torch.Tensor | None = None
+    logits: torch.Tensor | None = None
+    hidden_states: torch.Tensor | None = None
+    past_key_values: Cache | None = None
+    step_losses: torch.Tensor | None = None
+    all_logits: tuple[torch.Tensor, ...] | None = None
+    stats: torch.Tensor | None = None
+
+
+def eagle3_stat_names(ttt_steps: int) -> list[str]:
+    """Names of `Eagle3Output.stats`: the layout of `training.stat_names(block_size)` with one "slot" per unroll
+    step (step s of position i predicts x_{i+2+s}: the steps of one position form a draft chain, like SpecBlock's
+    slots), so `training.stats_to_metrics(stats, ttt_steps)` reads them (rank entries stay 0)."""
+    return (
+        ["loss_draft", "loss_rank", "batches", "tokens"]
+        + [f"correct_slot{k}" for k in range(ttt_steps)]
+        + [f"counted_slot{k}" for k in range(ttt_steps)]
+        + [f"ce_sum_slot{k}" for k in range(ttt_steps)]
+        + [f"ce_count_slot{k}" for k in range(ttt_steps)]
+        + ["accept_sum", "accept_count", "rank_correct", "rank_count"]
+    )
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Building blocks
+# ---------------------------------------------------------------------------------------------------------------
+class Eagle3Attention(LlamaAttention):
+    """Llama attention whose q/k/v projections read the 2H input concat(token embedding, hidden).
+
+    `forward` is Llama's (rotary, KV cache, `ALL_ATTENTION_FUNCTIONS` / `eager_attention_forward` with an additive
+    4D mask); `ttt_forward` is the training-time-test attention (see `Eagle3DraftModel.forward`).
+    """
+
+    def __init__(self, config: Eagle3Config, layer_idx: int = 0) -> None:
+        super().__init__(config, layer_idx)
+        in_features = config.target_hidden_size + config.hidden_size
+        bias = config.attention_bias
+        self.q_proj = nn.Linear(in_features, config.num_attention_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(in_features, config.num_key_value_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(in_features, config.num_key_value_heads * self.head_dim, bias=bias)
+
+    def ttt_forward(
+        self,
+        hidden_states: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        causal_mask: torch.Tensor,
+        step_kv: list[tuple[torch.Tensor, torch.Tensor]],
+    ) -> torch.Tensor:
+        """Attention of unroll step s = len(step_kv) over P positions (appends this step's keys / values to step_kv).
+
+        Query i of step s sees the step-0 keys of positions 0..i (`causal_mask`, additive [P, P]) and the keys of
+        steps 1..s at position i only (the "diagonal"): exactly the entries a depth-s tree node sees at inference
+        (the committed context, then one ancestor per depth). Computed as P x P scores plus s diagonal scores, so a
+        step costs one causal attention, not (s+1) x P keys per query.
+        """
+        input_shape = hidden_states.shape[:-1]
+        hidden_shape = (*input_shape, -1, self.head_dim)
+        query = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)  # [B, h, P, d]
+        key = self.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)  # [B, kv, P, d]
+        value = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+        cos, sin = position_embeddings
+        query, key = apply_rotary_pos_emb(query, key, cos, sin)
+        step_kv.append((key, value))
+
+        groups = self.num_key_value_groups
+        key0, value0 = repeat_kv(step_kv[0][0], groups), repeat_kv(step_kv[0][1], groups)
+        scores = [torch.matmul(query, key0.transpose(2, 3)) * self.scaling + causal_mask]  # [B, h, P, P]
+        later = [(repeat_kv(k, groups), repeat_kv(v, groups)) for k, v in step_kv[1:]]
+        for k, _ in later:
+            scores.append((query * k).sum(-1, keepdim=True) * self.scaling)  # [B, h, P, 1]
+        weights = nn.functional.softmax(torch.cat(scores, dim=-1), dim=-1, dtype=torch.float32).to(query.dtype)
+        weights = nn.functional.dropout(weights, p=self.attention_dropout, training=self.training)
+        num_pos = query.shape[2]
+        out = torch.matmul(weights[..., :num_pos], value0)
+        for j, (_, v) in enumerate(later):
+            out = out + weights[..., num_pos + j : num_pos + j + 1] * v
+        out = out.transpose(1, 2).reshape(*input_shape, -1).contiguous()
+        return self.o_proj(out)
+
+
+class Eagle3DecoderLayer(nn.Module):
+    """EAGLE-3's single decoder layer: attention over concat(RMSNorm(token embedding), RMSNorm(hidden)), residual on
+    the (un-normed) hidden, then a Llama SwiGLU MLP block."""
+
+    def __init__(self, config: Eagle3Config, layer_idx: int = 0) -> None:
+        super().__init__()
+        self.input_layernorm = LlamaRMSNorm(config.target_hidden_size, eps=config.rms_norm_eps)  # token embedding
+        self.hidden_norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.self_attn = Eagle3Attention(config, layer_idx)
+        self.post_attention_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.mlp = LlamaMLP(config)
+
+    def forward(
+        self,
+        token_embeds: torch.Tensor,
+        hidden: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        attention_mask: torch.Tensor | None = None,
+        past_key_values: Cache | None = None,
+        ttt_kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
+    ) -> torch.Tensor:
+        """token_embeds [B, P, H_target], hidden [B, P, H] -> pre-norm output [B, P, H].
+
+        With `ttt_kv` (a list of earlier unroll steps' keys / values) the training-time-test attention runs and
+        `attention_mask` is the additive [P, P] causal mask of step 0; otherwise `attention_mask` is an additive
+        [B, 1, P, S] mask over (cached + new) entries and `past_key_values` is updated.
+        """
+        residual = hidden
+        attn_input = torch.cat([self.input_layernorm(token_embeds), self.hidden_norm(hidden)], dim=-1)
+        if ttt_kv is not None:
+            attn_out = self.self_attn.ttt_forward(attn_input, position_embeddings, attention_mask, ttt_kv)
+        else:
+            attn_out, _ = self.self_attn(
+                attn_input,
+                position_embeddings=position_embeddings,
+                attention_mask=attention_mask,
+                past_key_values=past_key_values,
+            )
+        hidden = residual + attn_out
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The drafter
+# ---------------------------------------------------------------------------------------------------------------
+class Eagle3PreTrainedModel(TreeDraftModel):
+    config_class = Eagle3Config
+    config: Eagle3Config
+    base_model_prefix = "eagle3"
+    supports_gradient_checkpointing = False
+    _no_split_modules = ["Eagle3DecoderLayer"]
+
+    @torch.no_grad()
+    def _init_weights(self, module: nn.Module) -> None:
+        super()._init_weights(module)
+        if isinstance(module, Eagle3DraftModel):
+            init.copy_(module.d2t, torch.arange(self.config.draft_vocab_size))
+            init.copy_(module.t2d, torch.arange(self.config.vocab_size) < self.config.draft_vocab_size)
+
+
+class Eagle3DraftModel(Eagle3PreTrainedModel):
+    """The EAGLE-3 drafter: `fc` feature fusion, one decoder layer, final norm, `lm_head` over the draft vocabulary.
+
+    `generate(assistant_model=drafter)` drafts dynamic top-k trees (`candidate_generator`); `forward` with target
+    labels returns the training-time-test loss.
+    """
+
+    def __init__(self, config: Eagle3Config) -> None:
+        super().__init__(config)
+        self.fc = nn.Linear(3 * config.target_hidden_size, config.hidden_size, bias=False)
+        self.layer = Eagle3DecoderLayer(config, 0)
+        self.norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.rotary_emb = LlamaRotaryEmbedding(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.draft_vocab_size, bias=False)
+        # draft id -> target id, and which target ids the draft vocabulary holds
+        self.register_buffer("d2t", torch.arange(config.draft_vocab_size), persistent=True)
+        self.register_buffer("t2d", torch.arange(config.vocab_size) < config.draft_vocab_size, persistent=True)
+        self.post_init()
+
+    def candidate_generator(self, **overrides) -> Eagle3CandidateGenerator:
+        """A dynamic top-k tree generator for one `generate` call (overrides: tree_budget, top_k, depth)."""
+        return Eagle3CandidateGenerator(self, **overrides)
+
+    # ----------------------------------------------------------------------------------------------------------
+    # Drafting
+    # ----------------------------------------------------------------------------------------------------------
+    def fuse_features(self, target_hidden_states: torch.Tensor) -> torch.Tensor:
+        """[..., 3 * H_target] concatenated target features -> [..., H] fused hidden (`fc`)."""
+        return self.fc(target_hidden_states.to(device=self.device, dtype=self.dtype))
+
+    def draft_step(
+        self,
+        hidden: torch.Tensor,
+        input_ids: torch.LongTensor,
+        position_ids: torch.LongTensor,
+        attention_mask: torch.BoolTensor,
+        past_key_values: Cache | None = None,
+    ) -> Eagle3Output:
+        """One drafter forward over P positions (appends their K/V to `past_key_values`).
+
+        hidden:         [B, P, H]  fused target features, or the drafter's own output of the producing position
+        input_ids:      [B, P]     the token at each position (target vocabulary)
+        position_ids:   [B, P]     rotary position of that token
+        attention_mask: [B, P, S]  bool visibility over (cached + new) entries, S = cached + P
+        """
+        token_embeds = self.embed_target_tokens(input_ids)
+        hidden = hidden.to(self.dtype)
+        position_embeddings = self.rotary_emb(hidden, position_ids)
+        mask = additive_mask(attention_mask.to(hidden.device), hidden.dtype)[:, None]  # [B, 1, P, S]
+        out = self.layer(token_embeds, hidden, position_embeddings, mask, past_key_values)
+        return Eagle3Output(logits=self.lm_head(self.norm(out)), hidden_states=out, past_key_values=past_key_values)
+
+    # ----------------------------------------------------------------------------------------------------------
+    # Training-time test
+    # ----------------------------------------------------------------------------------------------------------
+    def forward(
+        self,
+        input_ids: torch.LongTensor,
+        features: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        loss_mask: torch.Tensor | None = None,
+        target_logits: torch.Tensor | None = None,
+        target_argmax: torch.LongTensor | None = None,
+        ttt_steps: int | None = None,
+        return_all_steps: bool = False,
+        followup_offsets: Sequence[int] | None = None,
+    ) -> Eagle3Output:
+        """Training-time test (TTT): the drafter unrolled `ttt_steps` steps on its own outputs over a sequence.
+
+        input_ids [B, T] (right-padded); features [B, T, 3 * H_target] target features per position;
+        attention_mask / loss_mask [B, T] (1 = real token / token the drafter is trained to predict; default all);
+        target_logits [B, T, Vd] (or [B, T, V]: the draft columns `d2t` are taken) the target's logits at every
+        position; target_argmax [B, T] the target's greedy token over the FULL vocabulary (default: the argmax of
+        `target_logits`, i.e. always inside the draft vocabulary). `followup_offsets` is accepted and ignored (so a
+        SpecBlock-style trainer can call this unchanged). Without `target_logits` no loss is computed and, unless
+        `ttt_steps` is given, only step 0 runs.
+
+        Unroll, in the drafter's slot view (slot i = 0..T-2, whose chain starts from the real features f_i):
+
+        * step 0: hidden f'_i = fc(f_i), token x_{i+1}, rotary position i+1, predicts x_{i+2}.
+        * step s > 0: hidden = the drafter's step-(s-1) output h^{s-1}_i (pre-norm), token x_{i+1+s} (ground truth),
+          rotary position i+1+s, predicts x_{i+2+s}. In sequence order (position p = i+s) this is: "the hidden input
+          at position p is the previous step's output at position p-1".
+        * attention: step s of slot i attends to the step-0 keys of slots 0..i (causal: the real context up to the
+          chain's start) and to the keys of steps 1..s of slot i itself (the chain drafted so far), never to
+          another slot's later-step keys. This is exactly what a depth-s tree node sees at inference (the committed
+          cache, then its ancestors), and the standard EAGLE-3 TTT rule.
+
+        Loss: step s of slot i is compared with the target's distribution at position j = i+1+s (the distribution
+        of x_{j+1}), restricted to the draft vocabulary and renormalised (softmax of the draft-vocab logits):
+        ``ce = -sum_v p(v) log q(v)``. It counts where x_{j+1} exists, is real and is in `loss_mask`, and the
+        target's argmax at j lies inside the draft vocabulary (no valid-prefix masking: a step counts whether or not
+        the earlier steps were right). ``step_losses[s] = sum(ce * counted) / max(1, sum(counted))`` over the batch
+        and ``loss = sum_s ttt_decay**s * step_losses[s]``.
+        """
+        batch, length = input_ids.shape
+        num_pos = length - 1
+        device = input_ids.device
+        if num_pos < 1:
+            raise ValueError("Training sequences need at least 2 tokens.")
+        steps = ttt_steps if ttt_steps is not None else (self.config.ttt_steps if target_logits is not None else 1)
+        if steps < 1:
+            raise ValueError(f"ttt_steps must be >= 1, got {steps}.")
+        real = attention_mask.bool() if attention_mask is not None else torch.ones_like(input_ids, dtype=torch.bool)
+        counted_tokens = (loss_mask.bool() if loss_mask is not None else torch.ones_like(real)) & real
+
+        token_embeds = self.embed_target_tokens(input_ids)  # [B, T, H_t]
+        slots = torch.arange(num_pos, device=device)
+        causal = additive_mask(slots[None, :] <= slots[:, None], self.dtype)  # [P, P]
+        hidden = self.fuse_features(features[:, :num_pos])
+        ttt_kv: list[tuple[torch.Tensor, torch.Tensor]] = []
+        all_logits, all_hidden = [], []
+        for s in range(steps):
+            token_idx = (slots + 1 + s).clamp(max=length - 1)  # slots past the end run on a clamped token
+            positions = (slots + 1 + s)[None].expand(batch, -1)
+            position_embeddings = self.rotary_emb(hidden, positions)
+            hidden = self.layer(token_embeds[:, token_idx], hidden, position_embeddings, causal, ttt_kv=ttt_kv)
+            all_hidden.append(hidden)
+            all_logits.append(self.lm_head(self.norm(hidden)))
+
+        output = Eagle3Output(
+            logits=all_logits[0],
+            hidden_states=all_hidden[0],
+            all_logits=tuple(all_logits) if return_all_steps else None,
+        )
+        if target_logits is None:
+            return output
+
+        if target_logits.shape[-1] != self.config.draft_vocab_size:
+            if target_logits.shape[-1] != self.config.vocab_size:
+                raise ValueError(
+                    f"target_logits must cover the draft vocabulary ({self.config.draft_vocab_size}) or the full "
+                    f"vocabulary ({self.config.vocab_size}), got {target_logits.shape[-1]} columns."
+                )
+            target_logits = target_logits.index_select(-1, self.d2t.to(target_logits.device))
+        target_probs = target_logits.to(device).float().softmax(-1)
+        if target_argmax is None:
+            target_index = target_probs.argmax(-1)
+        else:
+            lookup = torch.full((self.config.vocab_size,), -1, dtype=torch.long, device=device)
+            lookup[self.d2t.to(device)] = torch.arange(self.config.draft_vocab_size, device=device)
+            target_index = lookup[target_argmax.to(device)]
+
+        ce_cols, mask_cols, correct_cols, counted_cols, exists_cols = [], [], [], [], []
+        for s, logits in enumerate(all_logits):
+            j = 1 + s  # target position of slot 0 at this step
+            n = max(0, min(num_pos, length - 1 - j))  # slots whose predicted token x_{i+j+1} exists
+            log_q = logits[:, :n].float().log_softmax(-1)
+            ce = -(target_probs[:, j : j + n] * log_q).sum(-1)
+            tid = target_index[:, j : j + n]
+            counted = counted_tokens[:, j + 1 : j + 1 + n]
+            pad = (0, num_pos - n)
+            ce_cols.append(nn.functional.pad(ce, pad))
+            mask_cols.append(nn.functional.pad(counted & (tid >= 0), pad))
+            correct_cols.append(nn.functional.pad((log_q.detach().argmax(-1) == tid) & (tid >= 0), pad))
+            counted_cols.append(nn.functional.pad(counted, pad))
+            exists_cols.append(nn.functional.pad(real[:, j + 1 : j + 1 + n], pad))
+        ce, mask = torch.stack(ce_cols, -1), torch.stack(mask_cols, -1)  # [B, P, steps]
+        correct, counted, exists = (torch.stack(c, -1) for c in (correct_cols, counted_cols, exists_cols))
+
+        step_losses = (ce * mask).sum((0, 1)) / mask.sum((0, 1)).clamp(min=1)
+        weights = torch.tensor([self.config.ttt_decay**s for s in range(steps)], device=device)
+        loss = (weights * step_losses).sum()
+
+        with torch.no_grad():  # metric sums in the SpecBlock trainer's layout (one "slot" per unroll step)
+            chain = correct.long().cumprod(-1)
+            accept_rows = counted[..., 0] & exists[..., -1]
+            zero = torch.zeros((), dtype=torch.double, device=device)
+            stats = torch.cat(
+                [
+                    torch.stack([loss.detach().double(), zero]),
+                    torch.tensor([1.0, float(real.sum())], dtype=torch.double, device=device),
+                    (correct & counted).sum((0, 1)).double(),
+                    counted.sum((0, 1)).double(),
+                    (ce.detach() * mask).sum((0, 1)).double(),
+                    mask.sum((0, 1)).double(),
+                    torch.stack([((1 + chain.sum(-1)) * accept_rows).sum(), accept_rows.sum()]).double(),
+                    torch.stack([zero, zero]),
+                ]
+            )
+        output.loss = loss
+        output.step_losses = step_losses
+        output.stats = stats
+        return output
+
+
+AutoConfig.register(Eagle3Config.model_type, Eagle3Config, exist_ok=True)
+AutoModel.register(Eagle3Config, Eagle3DraftModel, exist_ok=True)
