@@ -415,3 +415,24 @@ def test_bad_inputs_raise_clear_errors(workspace):
         train_main(args)
     train_main(common_args(workspace, root / "init_ok", "--init_drafter", str(good_dir), "--max_steps", "1"))
     assert SpecBlockDraftModel.from_pretrained(root / "init_ok").config.block_size == 3
+
+
+def test_cli_trains_eagle3_and_records_model_card(workspace):
+    """`--drafter eagle3` trains the EAGLE-3 baseline with the same Trainer; the saved folder carries a model card."""
+    from huggingface_hub import ModelCard
+
+    from transformers_specblock import Eagle3DraftModel
+
+    out = workspace["root"] / "run_eagle3"
+    args = common_args(workspace, out, "--max_steps", "12", "--drafter", "eagle3", "--ttt_steps", "3")
+    for option in ("--block_size", "--drafter_num_layers"):  # SpecBlock-only settings
+        at = args.index(option)
+        del args[at : at + 2]
+    train_main(args)
+    losses = logged_losses(out)
+    assert sum(losses[-3:]) < sum(losses[:3]), losses
+    drafter = Eagle3DraftModel.from_pretrained(out)
+    assert drafter.config.ttt_steps == 3 and drafter.config.architectures == ["Eagle3DraftModel"]
+    card = ModelCard.load(out / "README.md")
+    assert card.data.pipeline_tag == "text-generation" and "speculative-decoding" in card.data.tags
+    assert "specblock-train" in card.text and "--drafter eagle3" in card.text

@@ -65,6 +65,8 @@ from transformers.utils import ModelOutput, logging
 
 from .assets import PACKAGED_MODELS, load_packaged_model, load_sharegpt_conversations
 from .configuration_specblock import SpecBlockConfig
+from .configuration_eagle3 import Eagle3Config
+from .modeling_eagle3 import Eagle3DraftModel
 from .modeling_specblock import SpecBlockDraftModel
 from .tree import block_causal_mask
 
@@ -126,6 +128,8 @@ class ModelArguments:
         metadata={"help": "Draft vocabulary size (default: the full vocabulary up to 16384 tokens; 16384 for "
                   "vocabularies up to 65536, e.g. SmolLM2's 49152; 32000 above)."},
     )
+    drafter: str = field(default="specblock", metadata={"help": "Drafter to train: 'specblock' or 'eagle3'."})
+    ttt_steps: int | None = field(default=None, metadata={"help": "EAGLE-3 training-time-test unroll (default 7)."})
     drafter_num_layers: int | None = field(default=None, metadata={"help": "Drafter decoder layers (default 2)."})
     init_head_from_target: bool = field(
         default=True,
@@ -1094,7 +1098,7 @@ class SpecBlockTrainer(Trainer):
         self.num_blocks = num_blocks
         self.loss_is_scaled_for_ga = False  # per-micro-batch means: the Trainer divides by the accumulation steps
         drafter = self.accelerator.unwrap_model(self.model)
-        self.block_size = drafter.config.block_size
+        self.block_size = getattr(drafter.config, "block_size", None) or drafter.config.ttt_steps  # eagle3: steps
         self.layer_ids = list(drafter.config.target_layer_ids)
         self._stats: dict[str, torch.Tensor | None] = {"train": None, "eval": None}
         self.train_tokens = 0  # real (non-padding) tokens trained on in this session, this process
@@ -1223,15 +1227,26 @@ def check_drafter_for_target(
             )
 
 
+DRAFTERS = {  # --drafter -> (config class, trainable model class whose forward returns the loss)
+    "specblock": (SpecBlockConfig, SpecBlockDraftModelForTraining),
+    "eagle3": (Eagle3Config, Eagle3DraftModel),
+}
+
+
 def _build_drafter(
     model_args: ModelArguments, target: PreTrainedModel, train_set: datasets.Dataset
-) -> SpecBlockDraftModelForTraining:
+) -> SpecBlockDraftModelForTraining | Eagle3DraftModel:
     layer_ids = _parse_layer_ids(model_args.target_layer_ids)
     if layer_ids is not None:
         check_layer_ids(layer_ids, target, model_args.target_model)
     vocab_size = target.config.get_text_config().vocab_size
+    if model_args.drafter not in DRAFTERS:
+        raise ValueError(f"--drafter must be one of {sorted(DRAFTERS)}, got {model_args.drafter!r}.")
+    config_class, model_class = DRAFTERS[model_args.drafter]
+    if model_args.drafter == "eagle3" and (model_args.block_size or model_args.drafter_num_layers):
+        raise ValueError("--block_size / --drafter_num_layers are SpecBlock settings; EAGLE-3 has one layer.")
     if model_args.init_drafter:
-        config = SpecBlockConfig.from_pretrained(model_args.init_drafter)
+        config = config_class.from_pretrained(model_args.init_drafter)
         check_drafter_for_target(config, target, model_args.init_drafter, model_args.target_model)
         for name, requested in (
             ("block_size", model_args.block_size),
@@ -1239,26 +1254,29 @@ def _build_drafter(
             ("draft_vocab_size", model_args.draft_vocab_size),
             ("num_hidden_layers", model_args.drafter_num_layers),
         ):
-            if requested is not None and requested != getattr(config, name):
+            if requested is not None and requested != getattr(config, name, requested):
                 raise ValueError(
                     f"--init_drafter {model_args.init_drafter} has {name}={getattr(config, name)}, but "
                     f"{requested} was requested. Drop the option or train a new drafter."
                 )
         check_layer_ids(config.target_layer_ids, target, model_args.target_model)
-        drafter = SpecBlockDraftModelForTraining.from_pretrained(model_args.init_drafter, dtype=torch.float32)
+        drafter = model_class.from_pretrained(model_args.init_drafter, dtype=torch.float32)
         logger.info(f"Starting from the drafter in {model_args.init_drafter} (its draft vocabulary is kept).")
     else:
         overrides: dict[str, Any] = {
-            "draft_vocab_size": model_args.draft_vocab_size or default_draft_vocab_size(vocab_size),
-            "block_size": model_args.block_size or 4,
+            "draft_vocab_size": model_args.draft_vocab_size or default_draft_vocab_size(vocab_size)
         }
+        if model_args.drafter == "eagle3":
+            overrides["ttt_steps"] = model_args.ttt_steps or 7
+        else:
+            overrides["block_size"] = model_args.block_size or 4
         if layer_ids is not None:
             overrides["target_layer_ids"] = layer_ids
         if model_args.drafter_num_layers is not None:
             overrides["num_hidden_layers"] = model_args.drafter_num_layers
-        config = SpecBlockConfig.from_target_config(target.config, **overrides)
+        config = config_class.from_target_config(target.config, **overrides)
         check_layer_ids(config.target_layer_ids, target, model_args.target_model)
-        drafter = SpecBlockDraftModelForTraining(config)
+        drafter = model_class(config)
         d2t, coverage = build_draft_vocab(
             train_set["input_ids"], train_set["loss_mask"], vocab_size, config.draft_vocab_size
         )
@@ -1304,7 +1322,7 @@ def record_training_info(drafter: SpecBlockDraftModel, info: dict[str, Any]) -> 
 
 def save_drafter(drafter: SpecBlockDraftModel, output_dir: str | os.PathLike, dtype: torch.dtype) -> None:
     """``save_pretrained`` a plain `SpecBlockDraftModel` copy (safetensors, no target embedding) in ``dtype``."""
-    final = SpecBlockDraftModel(drafter.config)
+    final = (SpecBlockDraftModel if isinstance(drafter, SpecBlockDraftModel) else type(drafter))(drafter.config)
     final.load_state_dict(drafter.state_dict())
     final.to(dtype).save_pretrained(output_dir)
 
@@ -1375,7 +1393,7 @@ def run_training(
         data_collator=SpecBlockDataCollator(pad_token_id=pad_id),
         processing_class=tokenizer,
         target=target,
-        num_blocks=training_args.num_blocks,
+        num_blocks=1 if model_args.drafter == "eagle3" else training_args.num_blocks,
     )
     start = time.perf_counter()
     result = trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
