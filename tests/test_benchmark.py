@@ -1,0 +1,93 @@
+"""The benchmark harness on tiny random models: every method runs, metrics are consistent, resume works."""
+
+from __future__ import annotations
+
+import json
+
+import datasets
+import pytest
+import torch
+
+from conftest import make_drafter, make_target
+from test_greedy_exactness import letter_tokenizer
+from transformers_specblock import Eagle3DraftModel
+from transformers_specblock.benchmark import Method, run_benchmark, write_report
+
+VOCAB = 24
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+def tiny_setup():
+    target = make_target("llama", vocab_size=VOCAB, seed=2)
+    tokenizer = letter_tokenizer(VOCAB)
+    specblock = make_drafter(target, tree_policy="fixed", fixed_width=4, max_blocks=2, tree_budget=24)
+    torch.manual_seed(7)
+    eagle3 = Eagle3DraftModel.from_target(target, tree_top_k=3, tree_depth=3, tree_budget=16)
+    assistant = make_target("llama", vocab_size=VOCAB, seed=9, num_hidden_layers=2)
+    prompts = datasets.Dataset.from_list(
+        [
+            {"id": f"p{i}", "category": ["writing", "coding"][i % 2], "prompt": text, "text": text}
+            for i, text in enumerate(["abcab", "hgfhgf", "mnomno", "qrsqr"])
+        ]
+    )
+    methods = [
+        Method("prompt_lookup", {"prompt_lookup_num_tokens": 3}),
+        Method("assisted", {"assistant_model": assistant}),
+        Method("specblock", {"assistant_model": specblock}),
+        Method("specblock_fixed_tree", {"assistant_model": specblock}, {"tree_policy": "fixed", "fixed_width": 2}),
+        Method("specblock_one_block", {"assistant_model": specblock}, {"max_blocks": 1}),
+        Method("eagle3", {"assistant_model": eagle3}),
+    ]
+    return target, tokenizer, prompts, methods, specblock
+
+
+def test_every_method_runs_and_metrics_are_consistent(tmp_path):
+    target, tokenizer, prompts, methods, specblock = tiny_setup()
+    results = run_benchmark(target, tokenizer, prompts, methods, max_new_tokens=16, output_dir=tmp_path)
+    summary = results.summary()
+    assert set(summary) == {"plain", *(m.name for m in methods)}
+    for name, row in summary.items():
+        assert row["identical_to_reference"], name  # greedy: every method reproduces plain generate
+        assert row["tokens_per_s"] > 0 and row["num_prompts"] == len(prompts)
+    assert summary["plain"]["speedup"] == pytest.approx(1.0)
+    for row in results.prompts:
+        if row.iterations:  # tree methods: tau x iterations = tokens committed by verifications (+1 from prefill)
+            assert row.tau * row.iterations == pytest.approx(row.new_tokens - 1)
+    for name in ("specblock", "specblock_fixed_tree", "specblock_one_block", "eagle3"):
+        split = summary[name]["time_per_iter_ms"]
+        total = sum(r.seconds for r in results.prompts if r.method == name) * 1e3
+        iters = sum(r.iterations for r in results.prompts if r.method == name)
+        assert sum(split.values()) == pytest.approx(total / iters, rel=1e-6)
+        assert 0.0 < summary[name]["drafting_share"] < 1.0
+    assert summary["specblock_one_block"]["drafter_forwards_per_iter"] == pytest.approx(1.0, abs=0.2)
+    assert summary["specblock"]["drafter_forwards_per_iter"] > summary["specblock_one_block"]["drafter_forwards_per_iter"]
+    assert specblock.config.max_blocks == 2 and specblock.config.fixed_width == 4  # ablation settings restored
+
+    write_report(results, tmp_path)
+    payload = json.loads((tmp_path / "results.json").read_text())
+    assert set(payload["per_category"]) == {"writing", "coding"}
+    for key in ("speedup", "tau", "tokens_per_s", "drafting_share", "drafter_forwards_per_iter", "nodes_per_iter",
+                "identical_to_reference"):  # fmt: skip
+        assert key in payload["methods"]["specblock"]
+    assert (tmp_path / "speedup_tau.png").stat().st_size > 0
+    assert (tmp_path / "time_per_iteration.png").stat().st_size > 0
+    assert "| specblock |" in (tmp_path / "results.md").read_text()
+
+
+def test_resume_skips_finished_prompts(tmp_path, monkeypatch):
+    target, tokenizer, prompts, methods, _ = tiny_setup()
+    first = run_benchmark(target, tokenizer, prompts.select(range(2)), methods[:1], max_new_tokens=8, output_dir=tmp_path)
+    calls = []
+    original = type(target).generate
+    monkeypatch.setattr(type(target), "generate", lambda self, *a, **k: calls.append(1) or original(self, *a, **k))
+    second = run_benchmark(target, tokenizer, prompts, methods[:1], max_new_tokens=8, output_dir=tmp_path)
+    assert len(calls) == 2 * 2  # only the two new prompts ran, each with plain + prompt lookup
+    assert [r.prompt_id for r in second.prompts[:4]] == [r.prompt_id for r in first.prompts]
+    assert len((tmp_path / "per_prompt.jsonl").read_text().splitlines()) == 8
