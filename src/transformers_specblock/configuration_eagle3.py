@@ -6,6 +6,7 @@ from typing import Any
 
 from transformers import PretrainedConfig
 
+from .budget import check_tree_budget
 from .configuration_specblock import SUPPORTED_TARGET_TYPES, _plain_rope_parameters, default_target_layer_ids
 
 
@@ -65,7 +66,7 @@ class Eagle3Config(PretrainedConfig):
         draft_vocab_size: int | None = None,
         tree_top_k: int = 10,
         tree_depth: int = 7,
-        tree_budget: int = 59,
+        tree_budget: int | str = 59,
         ttt_steps: int = 7,
         ttt_decay: float = 0.8,
         **kwargs: Any,
@@ -115,8 +116,7 @@ class Eagle3Config(PretrainedConfig):
             raise ValueError(f"tree_top_k must be a positive int, got {self.tree_top_k!r}.")
         if not isinstance(self.tree_depth, int) or self.tree_depth < 0:
             raise ValueError(f"tree_depth must be an int >= 0, got {self.tree_depth!r}.")
-        if not isinstance(self.tree_budget, int) or self.tree_budget < 1:
-            raise ValueError(f"tree_budget must be a positive int, got {self.tree_budget!r}.")
+        check_tree_budget(self.tree_budget)
         if not isinstance(self.ttt_steps, int) or self.ttt_steps < 1:
             raise ValueError(f"ttt_steps must be a positive int, got {self.ttt_steps!r}.")
         if not 0.0 < self.ttt_decay <= 1.0:

@@ -6,6 +6,8 @@ from typing import Any
 
 from transformers import PretrainedConfig
 
+from .budget import DEFAULT_CANDIDATES, check_tree_budget
+
 # Target families whose decoder stack and hidden-state layout the drafter understands.
 SUPPORTED_TARGET_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "gemma3")
 
@@ -47,7 +49,9 @@ class SpecBlockConfig(PretrainedConfig):
         fixed_width: Candidates per slot when `tree_policy="fixed"`.
         max_blocks: Block rounds per iteration (1 = block 1 only).
         max_followups: Follow-up blocks drafted per round at most (all in one batched drafter forward).
-        tree_budget: Nodes the target verifies per iteration at most (the root not counted).
+        tree_budget: Nodes the target verifies per iteration at most (the root not counted), or "auto": time the
+            target once per model and device and pick, among `auto_budget_candidates`, the budget maximising
+            tau / (T_M + T_D), with tau learnt from the first `auto_budget_warmup` verified trees.
         rank_head_hidden_size: Hidden width of the rank head MLP.
     """
 
@@ -82,7 +86,9 @@ class SpecBlockConfig(PretrainedConfig):
         fixed_width: int = 3,
         max_blocks: int = 2,
         max_followups: int = 4,
-        tree_budget: int = 32,
+        tree_budget: int | str = 32,
+        auto_budget_candidates: list[int] | tuple[int, ...] = DEFAULT_CANDIDATES,
+        auto_budget_warmup: int = 8,
         rank_head_hidden_size: int = 256,
         **kwargs: Any,
     ) -> None:
@@ -117,6 +123,8 @@ class SpecBlockConfig(PretrainedConfig):
         self.max_blocks = max_blocks
         self.max_followups = max_followups
         self.tree_budget = tree_budget
+        self.auto_budget_candidates = list(auto_budget_candidates)
+        self.auto_budget_warmup = auto_budget_warmup
         self.rank_head_hidden_size = rank_head_hidden_size
         super().__init__(**kwargs)
         self.validate_settings()
@@ -131,8 +139,9 @@ class SpecBlockConfig(PretrainedConfig):
             raise ValueError(f"block_size must be >= 1, got {self.block_size}.")
         if self.max_blocks < 1:
             raise ValueError(f"max_blocks must be >= 1, got {self.max_blocks}.")
-        if not isinstance(self.tree_budget, int) or self.tree_budget < 1:
-            raise ValueError(f"tree_budget must be a positive int, got {self.tree_budget!r}.")
+        check_tree_budget(self.tree_budget)
+        if any(not isinstance(b, int) or b < 1 for b in self.auto_budget_candidates):
+            raise ValueError(f"auto_budget_candidates must be positive ints, got {self.auto_budget_candidates}.")
         if not 1 <= self.draft_vocab_size <= self.vocab_size:
             raise ValueError(f"draft_vocab_size must be in [1, vocab_size={self.vocab_size}], got {self.draft_vocab_size}.")
         if len(self.branch_widths) != self.num_rank_classes:

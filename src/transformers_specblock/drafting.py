@@ -10,6 +10,7 @@ import torch
 from transformers import DynamicCache
 from transformers.generation.candidate_generator import CandidateGenerator
 
+from .budget import AUTO, DEFAULT_CANDIDATES
 from .tree import DraftTree, block_causal_mask, followup_block_mask
 from .verification import truncate_cache
 
@@ -57,7 +58,10 @@ class TreeCandidateGenerator(CandidateGenerator):
 
     def __init__(self, drafter: "TreeDraftModel", tree_budget: int | None = None) -> None:
         self.drafter = drafter
-        self.tree_budget = tree_budget if tree_budget is not None else drafter.config.tree_budget
+        budget = tree_budget if tree_budget is not None else drafter.config.tree_budget
+        if budget == AUTO:  # the loop sets the budget every iteration; start from the largest candidate
+            budget = max(getattr(drafter.config, "auto_budget_candidates", DEFAULT_CANDIDATES))
+        self.tree_budget = budget
         self.stats = DraftingStats()
         self.tree: DraftTree | None = None
 

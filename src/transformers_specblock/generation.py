@@ -17,6 +17,7 @@ from transformers.generation import GenerateDecoderOnlyOutput, GenerationMixin, 
 from transformers.cache_utils import DynamicLayer
 from transformers.generation.streamers import BaseStreamer
 
+from .budget import AUTO
 from .drafting import sync
 from .modeling_tree_drafter import TreeDraftModel
 from .verification import TreeLogitsProcessor, compact_cache, greedy_accept, sample_accept, verify_tree
@@ -119,6 +120,7 @@ def tree_speculative_decoding(
         raise ValueError("synced_gpus (DeepSpeed ZeRO-3 / FSDP) is not supported with SpecBlock decoding.")
     drafter.bind_target(model)
     generator = drafter.candidate_generator()
+    auto_budget = drafter.auto_budget(model) if drafter.config.tree_budget == AUTO else None
     cache = _full_attention_cache(model, model_kwargs["past_key_values"], generation_config, generator.tree_budget)
     feature_layers = drafter.config.target_layer_ids
     tree_processor = TreeLogitsProcessor(logits_processor)
@@ -160,6 +162,9 @@ def tree_speculative_decoding(
 
     while not done:
         # draft
+        if auto_budget is not None:
+            generator.tree_budget = auto_budget.choose()
+        drafting_before = generator.stats.drafter_time_s
         tree = generator.draft_tree(int(input_ids[0, -1]))
         # verify
         sync(model.device)
@@ -174,6 +179,8 @@ def tree_speculative_decoding(
         compact_cache(cache, past_length, keep)
         sync(model.device)
         stats.target_time_s += time.perf_counter() - target_start
+        if auto_budget is not None:
+            auto_budget.observe(tree, path, generator.stats.drafter_time_s - drafting_before)
         new_tokens = torch.cat([tree.tokens[path], bonus.to(tree.tokens.device)]).to(input_ids.device)
         prefix_visible = torch.cat([prefix_visible, prefix_visible.new_ones(keep.numel())])
         next_position += keep.numel()

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
+from .budget import DEFAULT_CANDIDATES, AutoBudget, measure_target_cost
 from .modelcard import build_model_card
 
 if TYPE_CHECKING:
@@ -67,6 +68,18 @@ class TreeDraftModel(PreTrainedModel):
         finally:
             for name, value in saved.items():
                 setattr(self.config, name, value)
+
+    def auto_budget(self, target: PreTrainedModel) -> AutoBudget:
+        """The `tree_budget="auto"` chooser for `target` (its cost curve is measured once per model and device; what
+        it learns about acceptance carries over between `generate` calls)."""
+        candidates = list(getattr(self.config, "auto_budget_candidates", DEFAULT_CANDIDATES))
+        key = (id(target), str(target.device), tuple(candidates))
+        chooser = self.__dict__.get("_auto_budget")
+        if chooser is None or self.__dict__.get("_auto_budget_key") != key:
+            cost = measure_target_cost(target, candidates)
+            chooser = AutoBudget(candidates, cost, warmup=getattr(self.config, "auto_budget_warmup", 8))
+            self.__dict__.update(_auto_budget=chooser, _auto_budget_key=key)
+        return chooser
 
     def candidate_generator(self, **overrides: Any) -> "TreeCandidateGenerator":
         """A fresh candidate generator (with its own drafter KV cache) for one `generate` call."""
