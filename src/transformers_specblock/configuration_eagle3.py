@@ -7,7 +7,7 @@ from typing import Any
 from transformers import PretrainedConfig
 
 from .budget import check_tree_budget
-from .configuration_specblock import SUPPORTED_TARGET_TYPES, _plain_rope_parameters, default_target_layer_ids
+from .configuration_specblock import default_target_layer_ids, derive_from_target
 
 
 class Eagle3Config(PretrainedConfig):
@@ -135,33 +135,4 @@ class Eagle3Config(PretrainedConfig):
 
         The decoder layer copies the target's attention / MLP shape, as EAGLE-3 does; `overrides` win.
         """
-        text_config = target_config.get_text_config()
-        model_type = text_config.model_type
-        if model_type not in SUPPORTED_TARGET_TYPES:
-            raise ValueError(
-                f"EAGLE-3 drafters support targets of type {SUPPORTED_TARGET_TYPES}, got '{model_type}'. "
-                "Open an issue with the model's config if it is a Llama-like decoder."
-            )
-        hidden = text_config.hidden_size
-        num_heads = text_config.num_attention_heads
-        derived: dict[str, Any] = {
-            "vocab_size": text_config.vocab_size,
-            "hidden_size": hidden,
-            "target_hidden_size": hidden,
-            "target_num_hidden_layers": text_config.num_hidden_layers,
-            "target_model_type": model_type,
-            "num_attention_heads": num_heads,
-            "num_key_value_heads": getattr(text_config, "num_key_value_heads", None) or num_heads,
-            "head_dim": getattr(text_config, "head_dim", None) or hidden // num_heads,
-            "intermediate_size": text_config.intermediate_size,
-            "rms_norm_eps": getattr(text_config, "rms_norm_eps", 1e-6),
-            "max_position_embeddings": text_config.max_position_embeddings,
-            "rope_parameters": _plain_rope_parameters(text_config),
-            "pad_token_id": text_config.pad_token_id,
-            "bos_token_id": text_config.bos_token_id,
-            "eos_token_id": text_config.eos_token_id,
-        }
-        derived.update(overrides)
-        if "hidden_size" in overrides and "head_dim" not in overrides:
-            derived["head_dim"] = derived["hidden_size"] // derived["num_attention_heads"]
-        return cls(**derived)
+        return cls(**derive_from_target(target_config, "EAGLE-3", overrides))
