@@ -113,7 +113,7 @@ def tree_speculative_decoding(
     assistant_model: TreeDraftModel | None = None,
     **model_kwargs: Any,
 ) -> GenerateDecoderOnlyOutput | torch.LongTensor:
-    """Decode with a SpecBlock drafter; same arguments and outputs as transformers' `_assisted_decoding`."""
+    """Decode with a tree drafter (SpecBlock, EAGLE-3); same arguments and outputs as `_assisted_decoding`."""
     drafter = assistant_model
     _validate(model, drafter, input_ids, generation_config, model_kwargs)
     if synced_gpus:

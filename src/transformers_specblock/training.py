@@ -1320,6 +1320,33 @@ def record_training_info(drafter: SpecBlockDraftModel, info: dict[str, Any]) -> 
     drafter.config.target_name_or_path = info["target"]
 
 
+def plot_learning_curve(log_history: list[dict[str, Any]], path: str | os.PathLike) -> None:
+    """Training loss, per-slot top-1 accuracy and the chain acceptance estimate against the step (a PNG)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    logs = [e for e in log_history if "loss" in e and "step" in e]
+    if not logs:
+        return
+    steps = [e["step"] for e in logs]
+    fig, axes = plt.subplots(1, 3, figsize=(14, 3.8))
+    axes[0].plot(steps, [e["loss"] for e in logs])
+    axes[0].set_title("training loss")
+    for key in sorted(k for k in logs[0] if k.startswith("acc_slot")):
+        axes[1].plot(steps, [e.get(key, float("nan")) for e in logs], label=key)
+    axes[1].set_title("top-1 accuracy per slot (training batches)")
+    axes[1].legend(fontsize=7)
+    axes[2].plot(steps, [e.get("accept_length", float("nan")) for e in logs])
+    axes[2].set_title("estimated accepted length (greedy chain)")
+    for ax in axes:
+        ax.set_xlabel("step")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def save_drafter(drafter: SpecBlockDraftModel, output_dir: str | os.PathLike, dtype: torch.dtype) -> None:
     """``save_pretrained`` a plain `SpecBlockDraftModel` copy (safetensors, no target embedding) in ``dtype``."""
     final = (SpecBlockDraftModel if isinstance(drafter, SpecBlockDraftModel) else type(drafter))(drafter.config)
@@ -1412,6 +1439,7 @@ def run_training(
         trainer.save_metrics("train", metrics)
         trainer.save_state()
         save_drafter(trainer.accelerator.unwrap_model(trainer.model), training_args.output_dir, save_dtype)
+        plot_learning_curve(trainer.state.log_history, os.path.join(training_args.output_dir, "learning_curve.png"))
         logger.warning(f"Saved the drafter ({model_args.save_dtype}) to {training_args.output_dir}.")
     trainer.final_metrics = metrics
     return trainer
