@@ -91,3 +91,12 @@ def test_resume_skips_finished_prompts(tmp_path, monkeypatch):
     assert len(calls) == 2 * 2  # only the two new prompts ran, each with plain + prompt lookup
     assert [r.prompt_id for r in second.prompts[:4]] == [r.prompt_id for r in first.prompts]
     assert len((tmp_path / "per_prompt.jsonl").read_text().splitlines()) == 8
+
+
+def test_prompts_are_spread_over_categories():
+    from transformers_specblock.cli import spread_over_categories
+
+    rows = [{"id": str(i), "category": c, "prompt": "x"} for i, c in enumerate("aaabbbccc")]
+    picked = spread_over_categories(datasets.Dataset.from_list(rows), 4)
+    assert picked["category"] == ["a", "b", "c", "a"] and picked["id"] == ["0", "3", "6", "1"]
+    assert len(spread_over_categories(datasets.Dataset.from_list(rows), None)) == 9

@@ -7,12 +7,14 @@
 
 from __future__ import annotations
 
+import itertools
 import shlex
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import datasets
 from transformers import AutoModel, HfArgumentParser
 
 from .assets import load_packaged_model, load_prompts
@@ -123,6 +125,17 @@ def build_methods(args: BenchArguments, target) -> list[Method]:
     return methods
 
 
+def spread_over_categories(prompts: datasets.Dataset, num_prompts: int | None) -> datasets.Dataset:
+    """The first `num_prompts` prompts taken round-robin over categories (MT-Bench lists its 8 in blocks of 10)."""
+    if num_prompts is None or num_prompts >= len(prompts):
+        return prompts
+    by_category: dict[str, list[int]] = {}
+    for index, category in enumerate(prompts["category"]):
+        by_category.setdefault(category, []).append(index)
+    order = [i for group in itertools.zip_longest(*by_category.values()) for i in group if i is not None]
+    return prompts.select(order[:num_prompts])
+
+
 def bench_main(argv: Sequence[str] | None = None) -> None:
     """``specblock-bench``: compare decoding methods on real prompts; writes results.json / results.md / figures.
 
@@ -133,7 +146,7 @@ def bench_main(argv: Sequence[str] | None = None) -> None:
     """
     (args,) = HfArgumentParser(BenchArguments).parse_args_into_dataclasses(args=argv)
     target, tokenizer = load_packaged_model(args.target_model)
-    prompts = load_prompts(args.dataset, num_prompts=args.num_prompts, tokenizer=tokenizer)
+    prompts = spread_over_categories(load_prompts(args.dataset, tokenizer=tokenizer), args.num_prompts)
     methods = build_methods(args, target)
     Path(args.output_dir).mkdir(parents=True, exist_ok=True)
     sampling = {"temperature": args.temperature, "top_k": None, "top_p": None} if args.do_sample else {}
