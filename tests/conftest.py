@@ -42,6 +42,15 @@ def make_drafter(target, seed: int = 0, **overrides) -> SpecBlockDraftModel:
     return SpecBlockDraftModel.from_target(target, **overrides)
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny models on 2 shared cores: one intra-op thread is far faster than two contending ones."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
 @pytest.fixture
 def tiny_llama():
     return make_target("llama")

@@ -21,13 +21,7 @@ VOCAB = 128
 PROMPT = torch.tensor([[0, 5, 17, 33, 2, 9]])
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Tiny models on 2 shared cores: one intra-op thread is ~100x faster than two contending ones."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

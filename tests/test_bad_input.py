@@ -17,12 +17,7 @@ PROMPT = torch.tensor([[0, 5, 17, 33, 2, 9]])
 ROUTES = ["patched", "function", "custom_generate"]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

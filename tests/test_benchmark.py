@@ -16,12 +16,7 @@ from transformers_specblock.benchmark import Method, run_benchmark, write_report
 VOCAB = 24
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def tiny_setup():

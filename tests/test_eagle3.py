@@ -16,17 +16,13 @@ import test_sampling_lossless as lossless
 from conftest import make_target
 from transformers_specblock.configuration_eagle3 import Eagle3Config
 from transformers_specblock.drafting_eagle3 import Eagle3CandidateGenerator
-from transformers_specblock.modeling_eagle3 import Eagle3DraftModel, eagle3_stat_names
+from transformers_specblock.modeling_eagle3 import Eagle3DraftModel
+from transformers_specblock.modeling_tree_drafter import training_stat_names
 
 SMALL_VOCAB = 24
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def make_eagle3(target, seed: int = 0, **overrides) -> Eagle3DraftModel:
@@ -342,7 +338,7 @@ def test_step0_loss_is_hand_computed_soft_ce():
     torch.testing.assert_close(out.step_losses[0], torch.stack(terms).mean(), atol=1e-5, rtol=1e-5)
     expected = sum(0.8**s * out.step_losses[s] for s in range(3))
     torch.testing.assert_close(out.loss, expected)
-    assert out.stats.shape[0] == len(eagle3_stat_names(3))
+    assert out.stats.shape[0] == len(training_stat_names(3))
     # target logits over the full vocabulary give the same loss (the draft columns are taken)
     full = d(**{**batch, "target_logits": full_logits}, ttt_steps=3)
     torch.testing.assert_close(full.loss, out.loss)

@@ -47,12 +47,7 @@ TEMPLATE = (
 )
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def make_tokenizer() -> PreTrainedTokenizerFast:

@@ -46,7 +46,6 @@ __all__ = [
     "Eagle3DecoderLayer",
     "Eagle3DraftModel",
     "Eagle3Output",
-    "eagle3_stat_names",
 ]
 
 
@@ -59,7 +58,7 @@ class Eagle3Output(ModelOutput):
     hidden_states:[B, P, H] step-0 pre-norm outputs (the `hidden` input of the next depth / step)
     step_losses:  [ttt_steps] mean soft cross-entropy of every unroll step
     all_logits:   per unroll step, [B, P, draft_vocab] (only with `return_all_steps=True`)
-    stats:        detached metric sums in the layout of `eagle3_stat_names(ttt_steps)`
+    stats:        detached metric sums in the layout of `training_stat_names(ttt_steps)` (one slot per unroll step)
     """
 
     loss: torch.Tensor | None = None
@@ -69,20 +68,6 @@ class Eagle3Output(ModelOutput):
     step_losses: torch.Tensor | None = None
     all_logits: tuple[torch.Tensor, ...] | None = None
     stats: torch.Tensor | None = None
-
-
-def eagle3_stat_names(ttt_steps: int) -> list[str]:
-    """Names of `Eagle3Output.stats`: the layout of `training.stat_names(block_size)` with one "slot" per unroll
-    step (step s of position i predicts x_{i+2+s}: the steps of one position form a draft chain, like SpecBlock's
-    slots), so `training.stats_to_metrics(stats, ttt_steps)` reads them (rank entries stay 0)."""
-    return (
-        ["loss_draft", "loss_rank", "batches", "tokens"]
-        + [f"correct_slot{k}" for k in range(ttt_steps)]
-        + [f"counted_slot{k}" for k in range(ttt_steps)]
-        + [f"ce_sum_slot{k}" for k in range(ttt_steps)]
-        + [f"ce_count_slot{k}" for k in range(ttt_steps)]
-        + ["accept_sum", "accept_count", "rank_correct", "rank_count"]
-    )
 
 
 # ---------------------------------------------------------------------------------------------------------------

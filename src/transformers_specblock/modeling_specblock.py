@@ -34,7 +34,6 @@ class SpecBlockOutput(ModelOutput):
     hidden_states: torch.Tensor | None = None
     rank_logits: torch.Tensor | None = None
     past_key_values: Cache | None = None
-    loss_parts: dict[str, torch.Tensor] | None = None
 
 
 def rank_features(logits: torch.Tensor) -> torch.Tensor:
@@ -176,11 +175,6 @@ class SpecBlockDraftModel(SpecBlockPreTrainedModel):
         return SpecBlockOutput(
             logits=logits, hidden_states=hidden_states, rank_logits=rank_logits, past_key_values=past_key_values
         )
-
-    def rank_classes(self, ranks: torch.LongTensor) -> torch.LongTensor:
-        """Bucket 1-based ranks into rank-head classes (rank 1 -> 0, ..., beyond the last bound -> C-1)."""
-        bounds = torch.tensor(self.config.rank_bucket_upper_bounds, device=ranks.device)
-        return torch.bucketize(ranks, bounds, right=False)
 
     def forward(
         self,

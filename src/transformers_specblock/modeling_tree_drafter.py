@@ -18,6 +18,19 @@ if TYPE_CHECKING:
     from .drafting import TreeCandidateGenerator
 
 
+def training_stat_names(num_slots: int) -> list[str]:
+    """Layout of the detached metric sums a drafter's training forward returns (`stats`); EAGLE-3 uses one "slot"
+    per training-time-test step, so both drafters are logged by the same code."""
+    return (
+        ["loss_draft", "loss_rank", "batches", "tokens"]
+        + [f"correct_slot{k}" for k in range(num_slots)]
+        + [f"counted_slot{k}" for k in range(num_slots)]
+        + [f"ce_sum_slot{k}" for k in range(num_slots)]
+        + [f"ce_count_slot{k}" for k in range(num_slots)]
+        + ["accept_sum", "accept_count", "rank_correct", "rank_count"]
+    )
+
+
 class TreeDraftModel(PreTrainedModel):
     """A drafter that reads a frozen target's hidden states and proposes token trees.
 

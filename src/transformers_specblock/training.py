@@ -68,6 +68,7 @@ from .configuration_specblock import SpecBlockConfig
 from .configuration_eagle3 import Eagle3Config
 from .modeling_eagle3 import Eagle3DraftModel
 from .modeling_specblock import SpecBlockDraftModel
+from .modeling_tree_drafter import training_stat_names
 from .tree import block_causal_mask
 
 logger = logging.get_logger(__name__)
@@ -916,21 +917,10 @@ class SpecBlockTrainingOutput(ModelOutput):
     stats: torch.Tensor | None = None
 
 
-def stat_names(block_size: int) -> list[str]:
-    return (
-        ["loss_draft", "loss_rank", "batches", "tokens"]
-        + [f"correct_slot{k}" for k in range(block_size)]
-        + [f"counted_slot{k}" for k in range(block_size)]
-        + [f"ce_sum_slot{k}" for k in range(block_size)]
-        + [f"ce_count_slot{k}" for k in range(block_size)]
-        + ["accept_sum", "accept_count", "rank_correct", "rank_count"]
-    )
-
-
 def stats_to_metrics(stats: torch.Tensor, block_size: int) -> dict[str, float]:
     """Summed stats -> per-slot top-1 accuracy and draft CE (block 1), acceptance estimate, rank-head accuracy and
     the loss parts."""
-    s = dict(zip(stat_names(block_size), stats.double().tolist()))
+    s = dict(zip(training_stat_names(block_size), stats.double().tolist()))
     batches = max(s["batches"], 1.0)
     metrics = {"loss_draft": s["loss_draft"] / batches, "loss_rank": s["loss_rank"] / batches}
     for k in range(block_size):

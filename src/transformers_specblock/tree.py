@@ -6,7 +6,7 @@ come before their children, so every prefix of the node order is a valid tree.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -25,6 +25,7 @@ class DraftTree:
     parents: torch.LongTensor
     depths: torch.LongTensor
     scores: torch.Tensor
+    _ancestors: torch.BoolTensor | None = field(default=None, init=False, repr=False)  # cache, reset on growth
 
     @classmethod
     def root_only(cls, token: int, device: torch.device | str = "cpu") -> "DraftTree":
@@ -51,6 +52,7 @@ class DraftTree:
     ) -> torch.LongTensor:
         """Append nodes (each parent must already exist or come earlier in this call); returns their indices."""
         first = len(self)
+        self._ancestors = None
         self.tokens = torch.cat([self.tokens, tokens.to(self.tokens)])
         self.parents = torch.cat([self.parents, parents.to(self.parents)])
         self.depths = torch.cat([self.depths, depths.to(self.depths)])
@@ -58,7 +60,10 @@ class DraftTree:
         return torch.arange(first, len(self), device=self.tokens.device)
 
     def ancestor_matrix(self) -> torch.BoolTensor:
-        """[N+1, N+1] with `a[i, j]` True iff node j is node i or one of its ancestors."""
+        """[N+1, N+1] with `a[i, j]` True iff node j is node i or one of its ancestors (computed once per tree:
+        the verification mask and greedy acceptance both read it)."""
+        if self._ancestors is not None:
+            return self._ancestors
         n = len(self)
         idx = torch.arange(n, device=self.tokens.device)
         anc = torch.eye(n, dtype=torch.bool, device=self.tokens.device)
@@ -66,6 +71,7 @@ class DraftTree:
         for _ in range(self.max_depth):
             cur = self.parents.clamp(min=0)[cur]
             anc[idx, cur] = True
+        self._ancestors = anc
         return anc
 
     def path_tokens(self) -> torch.LongTensor:
