@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 
 import datasets
 import pytest
@@ -83,9 +84,40 @@ def test_resume_skips_finished_prompts(tmp_path, monkeypatch):
     original = type(target).generate
     monkeypatch.setattr(type(target), "generate", lambda self, *a, **k: calls.append(1) or original(self, *a, **k))
     second = run_benchmark(target, tokenizer, prompts, methods[:1], max_new_tokens=8, output_dir=tmp_path)
-    assert len(calls) == 2 * 2  # only the two new prompts ran, each with plain + prompt lookup
+    assert len(calls) == 2 + 2 * 2  # one warm-up call per method, then the two new prompts with both methods
     assert [r.prompt_id for r in second.prompts[:4]] == [r.prompt_id for r in first.prompts]
     assert len((tmp_path / "per_prompt.jsonl").read_text().splitlines()) == 8
+    calls.clear()
+    third = run_benchmark(target, tokenizer, prompts, methods[:1], max_new_tokens=8, output_dir=tmp_path)
+    assert calls == [] and len(third.prompts) == 8  # all done: no warm-up, nothing re-run
+
+
+def test_cli_methods_take_a_tree_budget_and_auto_is_measured_in_warm_up(tmp_path):
+    from transformers_specblock.cli import BenchArguments, build_methods
+
+    target, tokenizer, prompts, _, specblock = tiny_setup()
+    specblock.save_pretrained(tmp_path / "drafter")
+    args = BenchArguments(
+        target_model="tiny", methods="plain,specblock@4,specblock_one_block@auto,prompt_lookup",
+        specblock_model=str(tmp_path / "drafter"), tree_budget="12",
+    )  # fmt: skip
+    methods = build_methods(args, target)
+    assert [m.name for m in methods] == ["specblock@4", "specblock_one_block@auto", "prompt_lookup"]
+    assert methods[0].tree_settings == {"tree_budget": 4}
+    assert methods[1].tree_settings == {"max_blocks": 1, "tree_budget": "auto"}
+    assert methods[0].generate_kwargs["assistant_model"] is methods[1].generate_kwargs["assistant_model"]
+    for bad, message in [("prompt_lookup@4", "only tree methods"), ("specblock@0", "positive int"),
+                         ("specblock@big", "positive int"), ("medusa", "Unknown method")]:  # fmt: skip
+        with pytest.raises(ValueError, match=message):
+            build_methods(BenchArguments(target_model="tiny", methods=bad, specblock_model=str(tmp_path / "drafter")),
+                          target)  # fmt: skip
+
+    drafter = methods[1].generate_kwargs["assistant_model"]
+    results = run_benchmark(target, tokenizer, prompts.select(range(1)), methods[:2], max_new_tokens=8)
+    assert drafter.__dict__.get("_auto_budget") is not None  # the one-off cost measurement ran
+    assert all(r.identical_to_reference for r in results.prompts)
+    if sys.platform == "linux":
+        assert all(r.peak_memory_mb > 0 for r in results.prompts)  # the process' peak RSS
 
 
 def test_prompts_are_spread_over_categories():

@@ -41,6 +41,10 @@ def test_budget_validation():
     for bad in (0, "fast", 2.5, True):
         with pytest.raises(ValueError, match="tree_budget"):
             check_tree_budget(bad)
+    target = make_target("llama", vocab_size=24, seed=1)
+    for bad in ([], [4, -1], [2.5]):
+        with pytest.raises(ValueError, match="auto_budget_candidates"):
+            make_drafter(target, tree_budget="auto", auto_budget_candidates=bad)
 
 
 def test_auto_budget_in_generate_is_exact_and_picks_a_candidate():
@@ -58,3 +62,27 @@ def test_auto_budget_in_generate_is_exact_and_picks_a_candidate():
     chooser = drafter._auto_budget
     assert chooser.trees == len(nodes) and chooser.choose() in {2, 4, 8, 16, 32}
     assert chooser.cost.seconds == sorted(chooser.cost.seconds)  # a monotone cost curve
+
+
+def test_budget_zero_wins_when_no_tree_pays_for_itself():
+    tau = {0: 1.0, 4: 1.3, 8: 1.35}
+    cost = TargetCost([0, 4, 8], [0.100, 0.150, 0.190])  # a CPU: every drafted node costs verification time
+    assert best_budget(tau, cost, drafting_seconds=0.04) == 0  # 1/0.10 beats 1.3/0.19 and 1.35/0.23
+    assert best_budget({0: 1.0, 4: 2.5}, cost, drafting_seconds=0.04) == 4  # a good drafter pays for its tree
+
+
+def test_auto_budget_zero_stops_drafting_and_stays_exact():
+    target = make_target("llama", vocab_size=24, seed=2)
+    drafter = make_drafter(target, tree_budget="auto", auto_budget_candidates=[0, 4], auto_budget_warmup=2)
+    prompt = torch.randint(1, 24, (1, 6), generator=torch.Generator().manual_seed(2))
+    reference = target.generate(prompt, max_new_tokens=24, do_sample=False)
+    drafter.auto_budget(target).cost = TargetCost([0, 4], [0.01, 10.0])  # verifying a tree is prohibitively slow
+    out = target.generate(prompt, assistant_model=drafter, max_new_tokens=24, do_sample=False)
+    assert out.tolist() == reference.tolist()
+    stats = drafter.last_stats
+    assert min(stats.nodes_per_iteration[:2]) > 0 and set(stats.nodes_per_iteration[2:]) == {0}
+    assert drafter._auto_budget.trees == 2  # nothing is learnt once drafting stopped
+    forwards = stats.drafter_forwards
+    target.generate(prompt, assistant_model=drafter, max_new_tokens=24, do_sample=False)
+    assert set(drafter.last_stats.nodes_per_iteration) == {0} and drafter.last_stats.drafter_forwards <= 1
+    assert forwards > drafter.last_stats.drafter_forwards

@@ -107,10 +107,44 @@ def _time_split(trees: list[PromptResult], iters: int) -> dict[str, float] | Non
     return {"drafting": draft, "verification": verify, "overhead": max(0.0, total - draft - verify)}
 
 
+_PROC_STATUS, _PROC_CLEAR_REFS = Path("/proc/self/status"), Path("/proc/self/clear_refs")
+
+
+def _reset_peak_memory(device: torch.device) -> None:
+    """Start a new peak: CUDA's allocator statistics, or (Linux CPU) the process' resident-set high-water mark."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    elif _PROC_CLEAR_REFS.exists():
+        try:
+            _PROC_CLEAR_REFS.write_text("5")  # "5" resets VmHWM (see `man 5 proc`)
+        except OSError:
+            pass
+
+
 def _peak_memory_mb(device: torch.device) -> float | None:
+    """Peak memory since `_reset_peak_memory`: CUDA allocated memory, or the process' peak RSS on a Linux CPU."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
+    if _PROC_STATUS.exists():
+        for line in _PROC_STATUS.read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 2**10  # kB
     return None
+
+
+def _generate(target: PreTrainedModel, inputs, method: Method, max_new_tokens: int, do_sample: bool,
+              generate_kwargs: dict[str, Any]) -> torch.LongTensor:  # fmt: skip
+    with method.context():
+        return target.generate(
+            **inputs, max_new_tokens=max_new_tokens, do_sample=do_sample, **generate_kwargs, **method.generate_kwargs
+        )
+
+
+def _encode(tokenizer: PreTrainedTokenizerBase, row: dict[str, Any], device: torch.device):
+    text = row.get("text") or tokenizer.apply_chat_template(
+        [{"role": "user", "content": row["prompt"]}], tokenize=False, add_generation_prompt=True
+    )
+    return tokenizer(text, return_tensors="pt", add_special_tokens=False).to(device)
 
 
 def run_benchmark(
@@ -122,9 +156,14 @@ def run_benchmark(
     do_sample: bool = False,
     seed: int = 0,
     output_dir: str | Path | None = None,
+    warmup_tokens: int = 32,
     **generate_kwargs: Any,
 ) -> BenchmarkResults:
-    """Run the reference and every method on each prompt (interleaved); resumable through `output_dir`."""
+    """Run the reference and every method on each prompt (interleaved); resumable through `output_dir`.
+
+    Before timing, every method generates `warmup_tokens` untimed tokens from the first prompt: kernels, allocator
+    and one-off measurements (`tree_budget="auto"` times the target once per model and device) are paid there.
+    """
     settings = {"max_new_tokens": max_new_tokens, "do_sample": do_sample, "seed": seed, **generate_kwargs}
     settings |= {"methods": [REFERENCE] + [m.name for m in methods], "num_prompts": len(prompts)}
     results = BenchmarkResults(settings=settings)
@@ -133,30 +172,27 @@ def run_benchmark(
         results.prompts = [PromptResult(**json.loads(line)) for line in log.read_text().splitlines() if line]
     done = {(r.prompt_id, r.method) for r in results.prompts}
     all_methods = [Method(REFERENCE), *methods]
+    if warmup_tokens and len(done) < len(prompts) * len(all_methods):
+        inputs = _encode(tokenizer, prompts[0], target.device)
+        for method in tqdm(all_methods, desc="warm-up"):
+            torch.manual_seed(seed)
+            _generate(target, inputs, method, warmup_tokens, do_sample, generate_kwargs)
     for row in tqdm(prompts, desc="benchmark prompts"):
         prompt_id = str(row["id"])
         if all((prompt_id, m.name) in done for m in all_methods):
             continue
         results.prompts = [r for r in results.prompts if r.prompt_id != prompt_id]  # redo a half-done prompt
-        text = row.get("text") or tokenizer.apply_chat_template(
-            [{"role": "user", "content": row["prompt"]}], tokenize=False, add_generation_prompt=True
-        )
-        inputs = tokenizer(text, return_tensors="pt", add_special_tokens=False).to(target.device)
+        inputs = _encode(tokenizer, row, target.device)
         prompt_len = inputs["input_ids"].shape[1]
         reference: list[int] | None = None
         new_rows = []
         for method in all_methods:
             torch.manual_seed(seed)
-            if target.device.type == "cuda":
-                torch.cuda.reset_peak_memory_stats(target.device)
+            _reset_peak_memory(target.device)
             drafter = method.generate_kwargs.get("assistant_model")
-            with method.context():
-                start = time.perf_counter()
-                out = target.generate(
-                    **inputs, max_new_tokens=max_new_tokens, do_sample=do_sample,
-                    **generate_kwargs, **method.generate_kwargs,
-                )  # fmt: skip
-                seconds = time.perf_counter() - start
+            start = time.perf_counter()
+            out = _generate(target, inputs, method, max_new_tokens, do_sample, generate_kwargs)
+            seconds = time.perf_counter() - start
             tokens = out[0, prompt_len:].tolist()
             reference = tokens if method.name == REFERENCE else reference
             stats = drafter.last_stats if isinstance(drafter, TreeDraftModel) else None
@@ -196,7 +232,7 @@ def write_report(results: BenchmarkResults, output_dir: str | Path) -> None:
 
 def markdown_tables(payload: dict[str, Any]) -> str:
     columns = ["tokens_per_s", "speedup", "tau", "drafting_share", "drafter_forwards_per_iter", "nodes_per_iter",
-               "identical_to_reference"]  # fmt: skip
+               "peak_memory_mb", "identical_to_reference"]  # fmt: skip
     lines = []
     for title, block in [("all prompts", payload["methods"])] + list(payload["per_category"].items()):
         lines += [f"### {title}", "", "| method | " + " | ".join(columns) + " |", "|---" * (len(columns) + 1) + "|"]

@@ -4,6 +4,10 @@ Throughput is tau(B) / (T_M(B) + T_D): tau grows with the verified tree size B w
 T_M(B) grows too — slowly on a GPU, steeply on a CPU. `TargetCost` times the target's forward once per model and
 device; `AutoBudget` learns tau(B) for every candidate B from the trees actually verified (a tree pruned to B keeps
 its top-B nodes by score, so the accepted path is cut where its first node falls outside them) and picks the best.
+
+Budget 0 means "do not speculate": the target decodes one token per forward and the drafter is not run at all
+(tau = 1, no drafting time). It wins where no tree pays for its drafting and verification, e.g. a weak drafter on a
+CPU; the choice then holds for the rest of the drafter's life (nothing is drafted that could change it).
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from transformers import DynamicCache, PreTrainedModel
 from .tree import DraftTree, tree_verification_mask
 
 AUTO = "auto"
-DEFAULT_CANDIDATES = (4, 8, 16, 24, 32, 48, 64)
+DEFAULT_CANDIDATES = (0, 2, 4, 8, 16, 24, 32, 48, 64)
 
 
 def check_tree_budget(value: int | str) -> None:
@@ -53,7 +57,7 @@ def measure_target_cost(
     target: PreTrainedModel, sizes: list[int], context_length: int = 256, repeats: int = 3
 ) -> TargetCost:
     """Time the target verifying chains of each size after a `context_length` cache (min over repeats), cached per
-    model and device."""
+    model and device. Size 0 is a plain decoding step (the root token alone)."""
     key = f"{target.device}:{context_length}:{sorted(sizes)}"
     per_model = _COST_CACHE.setdefault(target, {})
     if key in per_model:
@@ -94,8 +98,8 @@ def _sync(device: torch.device) -> None:
 
 
 def best_budget(tau: dict[int, float], cost: TargetCost, drafting_seconds: float) -> int:
-    """The budget B maximising tau(B) / (T_M(B) + T_D)."""
-    return max(tau, key=lambda b: tau[b] / (cost(b) + drafting_seconds))
+    """The budget B maximising tau(B) / (T_M(B) + T_D), where budget 0 (no speculation) drafts nothing."""
+    return max(tau, key=lambda b: tau[b] / (cost(b) + (drafting_seconds if b else 0.0)))
 
 
 @dataclass
@@ -127,7 +131,8 @@ class AutoBudget:
         self.trees += 1
 
     def choose(self) -> int:
-        """The budget to draft with now: the largest while learning, then the best measured one."""
+        """The budget to draft with now: the largest while learning, then the best measured one (0 = stop
+        speculating)."""
         if self.trees < self.warmup:
             return self.largest
         tau = {b: self.accepted[b] / self.trees for b in self.candidates}

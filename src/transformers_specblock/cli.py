@@ -63,7 +63,8 @@ class BenchArguments:
         default="plain,prompt_lookup,specblock",
         metadata={
             "help": "Comma list of: plain (always run, the reference), prompt_lookup, assisted, specblock, "
-            "specblock_fixed_tree, specblock_one_block, eagle3."
+            "specblock_fixed_tree, specblock_one_block, eagle3; a tree method may name its budget, e.g. "
+            "specblock@4,specblock@auto."
         },
     )
     dataset: str = field(default="mt_bench", metadata={"help": "mt_bench, humaneval, sharegpt or a JSONL file."})
@@ -76,7 +77,10 @@ class BenchArguments:
         default=None, metadata={"help": "Packaged name / folder of a small LM for transformers' assisted generation."}
     )
     prompt_lookup_num_tokens: int = field(default=10)
-    tree_budget: int | None = field(default=None, metadata={"help": "Override the drafters' tree budget."})
+    tree_budget: str | None = field(
+        default=None, metadata={"help": 'Override the drafters\' tree budget (an int or "auto").'}
+    )
+    warmup_tokens: int = field(default=32, metadata={"help": "Untimed tokens per method before timing starts."})
     do_sample: bool = field(default=False)
     temperature: float = field(default=1.0)
     seed: int = field(default=0)
@@ -96,30 +100,50 @@ def _load_drafter(path: str | None, kind: str, target_model: str, target) -> Tre
     return drafter
 
 
+TREE_METHODS = {
+    "specblock": ("specblock", {}),
+    "specblock_fixed_tree": ("specblock", {"tree_policy": "fixed"}),
+    "specblock_one_block": ("specblock", {"max_blocks": 1}),
+    "eagle3": ("eagle3", {}),
+}
+
+
+def parse_tree_budget(text: str) -> int | str:
+    """A command-line tree budget: "auto" or a positive int."""
+    if text == "auto":
+        return text
+    if not text.isdigit() or int(text) < 1:
+        raise ValueError(f'A tree budget must be a positive int or "auto", got {text!r}.')
+    return int(text)
+
+
 def build_methods(args: BenchArguments, target) -> list[Method]:
-    """The `Method`s named in `args.methods` (the plain reference is added by `run_benchmark`)."""
-    names = [n.strip() for n in args.methods.split(",") if n.strip() and n.strip() != REFERENCE]
-    tree = {"tree_budget": args.tree_budget} if args.tree_budget else {}
+    """The `Method`s named in `args.methods` (the plain reference is added by `run_benchmark`).
+
+    A tree method may carry its own budget after an ``@``: ``specblock@4,specblock@16,specblock@auto``.
+    """
+    specs = [n.strip() for n in args.methods.split(",") if n.strip() and n.strip() != REFERENCE]
     drafters: dict[str, TreeDraftModel] = {}
     methods = []
-    for name in names:
-        kind = "eagle3" if name == "eagle3" else "specblock"
+    for spec in specs:
+        name, _, budget = spec.partition("@")
+        if budget and name not in TREE_METHODS:
+            raise ValueError(f"{spec!r}: only tree methods ({', '.join(TREE_METHODS)}) take an @budget.")
         if name == "prompt_lookup":
-            methods.append(Method(name, {"prompt_lookup_num_tokens": args.prompt_lookup_num_tokens}))
+            methods.append(Method(spec, {"prompt_lookup_num_tokens": args.prompt_lookup_num_tokens}))
         elif name == "assisted":
             if not args.assistant_model:
                 raise ValueError("--methods assisted needs --assistant_model (e.g. qwen2.5-coder-0.5b-instruct).")
             assistant, _ = load_packaged_model(args.assistant_model, dtype=target.dtype)
-            methods.append(Method(name, {"assistant_model": assistant}))
-        elif name in ("specblock", "specblock_fixed_tree", "specblock_one_block", "eagle3"):
+            methods.append(Method(spec, {"assistant_model": assistant}))
+        elif name in TREE_METHODS:
+            kind, settings = TREE_METHODS[name]
             if kind not in drafters:
                 path = args.eagle3_model if kind == "eagle3" else args.specblock_model
                 drafters[kind] = _load_drafter(path, kind, args.target_model, target)
-            settings = dict(tree)
-            settings |= {"specblock_fixed_tree": {"tree_policy": "fixed"}, "specblock_one_block": {"max_blocks": 1}}.get(
-                name, {}
-            )
-            methods.append(Method(name, {"assistant_model": drafters[kind]}, settings))
+            budget = budget or args.tree_budget
+            settings = settings | ({"tree_budget": parse_tree_budget(budget)} if budget else {})
+            methods.append(Method(spec, {"assistant_model": drafters[kind]}, settings))
         else:
             raise ValueError(f"Unknown method {name!r}; see --help for the choices.")
     return methods
@@ -152,7 +176,7 @@ def bench_main(argv: Sequence[str] | None = None) -> None:
     sampling = {"temperature": args.temperature, "top_k": None, "top_p": None} if args.do_sample else {}
     results = run_benchmark(
         target, tokenizer, prompts, methods, max_new_tokens=args.max_new_tokens, do_sample=args.do_sample,
-        seed=args.seed, output_dir=args.output_dir, **sampling,
+        seed=args.seed, output_dir=args.output_dir, warmup_tokens=args.warmup_tokens, **sampling,
     )  # fmt: skip
     results.settings |= {"target_model": args.target_model, "dataset": args.dataset}
     write_report(results, args.output_dir)

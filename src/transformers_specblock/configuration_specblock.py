@@ -51,7 +51,8 @@ class SpecBlockConfig(PretrainedConfig):
         max_followups: Follow-up blocks drafted per round at most (all in one batched drafter forward).
         tree_budget: Nodes the target verifies per iteration at most (the root not counted), or "auto": time the
             target once per model and device and pick, among `auto_budget_candidates`, the budget maximising
-            tau / (T_M + T_D), with tau learnt from the first `auto_budget_warmup` verified trees.
+            tau / (T_M + T_D), with tau learnt from the first `auto_budget_warmup` verified trees. A candidate 0
+            means "do not speculate" and wins where no tree pays for itself (a weak drafter on a slow device).
         rank_head_hidden_size: Hidden width of the rank head MLP.
     """
 
@@ -140,8 +141,13 @@ class SpecBlockConfig(PretrainedConfig):
         if self.max_blocks < 1:
             raise ValueError(f"max_blocks must be >= 1, got {self.max_blocks}.")
         check_tree_budget(self.tree_budget)
-        if any(not isinstance(b, int) or b < 1 for b in self.auto_budget_candidates):
-            raise ValueError(f"auto_budget_candidates must be positive ints, got {self.auto_budget_candidates}.")
+        if not self.auto_budget_candidates or any(
+            not isinstance(b, int) or isinstance(b, bool) or b < 0 for b in self.auto_budget_candidates
+        ):
+            raise ValueError(
+                "auto_budget_candidates must be a non-empty list of ints >= 0 (0 = do not speculate), got "
+                f"{self.auto_budget_candidates}."
+            )
         if not 1 <= self.draft_vocab_size <= self.vocab_size:
             raise ValueError(f"draft_vocab_size must be in [1, vocab_size={self.vocab_size}], got {self.draft_vocab_size}.")
         if len(self.branch_widths) != self.num_rank_classes:

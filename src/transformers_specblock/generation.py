@@ -20,6 +20,7 @@ from transformers.generation.streamers import BaseStreamer
 from .budget import AUTO
 from .drafting import sync
 from .modeling_tree_drafter import TreeDraftModel
+from .tree import DraftTree
 from .verification import TreeLogitsProcessor, compact_cache, greedy_accept, sample_accept, verify_tree
 
 
@@ -160,12 +161,15 @@ def tree_speculative_decoding(
         context = torch.cat([input_ids[0, :-1][prefix_visible.to(input_ids.device)][1:], input_ids[0, -1:]])
         generator.observe(features, context, first_position=1)
 
+    speculating = True  # False once tree_budget="auto" chose budget 0: plain decoding steps, drafter idle
     while not done:
         # draft
         if auto_budget is not None:
-            generator.tree_budget = auto_budget.choose()
+            generator.tree_budget = auto_budget.choose() if speculating else 0
+            speculating = generator.tree_budget > 0
         drafting_before = generator.stats.drafter_time_s
-        tree = generator.draft_tree(int(input_ids[0, -1]))
+        root_token = int(input_ids[0, -1])
+        tree = generator.draft_tree(root_token) if speculating else DraftTree.root_only(root_token, model.device)
         # verify
         sync(model.device)
         target_start = time.perf_counter()
@@ -179,7 +183,7 @@ def tree_speculative_decoding(
         compact_cache(cache, past_length, keep)
         sync(model.device)
         stats.target_time_s += time.perf_counter() - target_start
-        if auto_budget is not None:
+        if auto_budget is not None and speculating:
             auto_budget.observe(tree, path, generator.stats.drafter_time_s - drafting_before)
         new_tokens = torch.cat([tree.tokens[path], bonus.to(tree.tokens.device)]).to(input_ids.device)
         prefix_visible = torch.cat([prefix_visible, prefix_visible.new_ones(keep.numel())])
@@ -192,7 +196,7 @@ def tree_speculative_decoding(
             scores, raw_logits, processed[keep], result.logits[keep], kept, want_scores, want_logits
         )
         # observe: the drafter reads the accepted positions' target features
-        if not done:
+        if not done and speculating:
             generator.observe(result.features[keep], new_tokens, first_position=next_position - keep.numel() + 1)
 
     if streamer is not None:
