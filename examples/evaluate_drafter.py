@@ -2,7 +2,8 @@
 its config and save it (weights + generated model card) to a Hub-style folder.
 
     python examples/evaluate_drafter.py --drafter out/specblock-smollm2 \
-        --output models/specblock-smollm2-135m-instruct --num_prompts 6 --max_new_tokens 64
+        --output models/specblock-smollm2-135m-instruct --num_prompts 6 --max_new_tokens 64 \
+        --report_dir docs/results/shipped-drafter-eval
 """
 
 from __future__ import annotations
@@ -37,11 +38,11 @@ def main() -> None:
     for name in PROMPT_SETS:
         prompts = load_prompts(name, num_prompts=args.num_prompts, tokenizer=tokenizer)
         results = run_benchmark(
-            target, tokenizer, prompts, [Method("specblock", {"assistant_model": drafter})],
+            target, tokenizer, prompts, [Method("drafter", {"assistant_model": drafter})],
             max_new_tokens=args.max_new_tokens, output_dir=None,
         )  # fmt: skip
         write_report(results, Path(args.report_dir) / name)
-        summary = results.summary()["specblock"]
+        summary = results.summary()["drafter"]
         rows.append(
             {
                 "dataset": name,

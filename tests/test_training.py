@@ -355,9 +355,13 @@ def test_resume_from_checkpoint_matches_uninterrupted_run(workspace):
     shutil.copytree(full / "checkpoint-2", resumed / "checkpoint-2")
     train_main(common_args(workspace, resumed, *args, "--resume_from_checkpoint", str(resumed / "checkpoint-2")))
     assert logged_losses(resumed)[-2:] == pytest.approx(logged_losses(full)[-2:], rel=1e-5)
-    # the resumed run trained only steps 3-4 (its token count covers this session only)
-    tokens = [json.loads((d / "all_results.json").read_text())["train_tokens"] for d in (full, resumed)]
-    assert 0 < tokens[1] < tokens[0]
+    # the record counts every session: the resumed run reports the tokens and time of steps 1-4
+    results = [json.loads((d / "all_results.json").read_text()) for d in (full, resumed)]
+    assert results[1]["train_tokens"] == results[0]["train_tokens"] > 0
+    earlier = json.loads((resumed / "checkpoint-2" / "trainer_state.json").read_text())["log_history"][-1]
+    assert 0 < earlier["train_seconds"] <= results[1]["train_seconds"]
+    card_info = json.loads((resumed / "config.json").read_text())["training_info"]
+    assert card_info["train_tokens"] == results[0]["train_tokens"] and card_info["train_steps"] == 4
     assert json.loads((resumed / "trainer_state.json").read_text())["global_step"] == 4
     a, b = load_file(full / "model.safetensors"), load_file(resumed / "model.safetensors")
     assert a.keys() == b.keys()

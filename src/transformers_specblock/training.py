@@ -184,10 +184,14 @@ class SpecBlockTrainingArguments(TrainingArguments):
     """`TrainingArguments` plus the SpecBlock loss switches.
 
     Changed defaults: ``remove_unused_columns=False`` (the collator builds what the trainer needs),
-    ``adam_beta2=0.95`` and ``max_grad_norm=0.5`` (the reference recipe), ``output_dir="out/drafter"``.
+    ``adam_beta2=0.95`` and ``max_grad_norm=0.5`` (the reference recipe), ``output_dir="out/drafter"``,
+    ``include_num_input_tokens_seen="non_padding"`` (the model card's token count, kept across a resume).
     """
 
     output_dir: str | None = field(default="out/drafter", metadata={"help": "Checkpoints and the final drafter."})
+    include_num_input_tokens_seen: str = field(
+        default="non_padding", metadata={"help": "Count trained tokens: 'non_padding' (default), 'all' or 'no'."}
+    )
     remove_unused_columns: bool = field(default=False, metadata={"help": "Keep all dataset columns (needed)."})
     adam_beta2: float = field(default=0.95, metadata={"help": "AdamW beta2."})
     max_grad_norm: float = field(default=0.5, metadata={"help": "Gradient clipping norm."})
@@ -1091,8 +1095,9 @@ class SpecBlockTrainer(Trainer):
         self.block_size = getattr(drafter.config, "block_size", None) or drafter.config.ttt_steps  # eagle3: steps
         self.layer_ids = list(drafter.config.target_layer_ids)
         self._stats: dict[str, torch.Tensor | None] = {"train": None, "eval": None}
-        self.train_tokens = 0  # real (non-padding) tokens trained on in this session, this process
-        self.train_micro_batches = 0
+        self.train_micro_batches = 0  # in this session, this process
+        self._session_start = time.perf_counter()
+        self._earlier_seconds: float | None = None  # training time of the sessions before a resume
 
     def followup_offsets(self, training: bool) -> list[int]:
         """M ~ U{1..K} per follow-up block, from a generator seeded by (seed, global step): the same on every
@@ -1133,7 +1138,6 @@ class SpecBlockTrainer(Trainer):
         stats = outputs.stats.detach()
         self._stats[key] = stats if self._stats[key] is None else self._stats[key] + stats
         if model.training:
-            self.train_tokens += int(inputs["attention_mask"].sum())
             self.train_micro_batches += 1
         return (outputs.loss, outputs) if return_outputs else outputs.loss
 
@@ -1159,9 +1163,22 @@ class SpecBlockTrainer(Trainer):
             output.metrics[f"{prefix}_{name}"] = value
         return output
 
+    def train(self, *args: Any, **kwargs: Any):  # noqa: D102
+        self._session_start, self._earlier_seconds = time.perf_counter(), None
+        return super().train(*args, **kwargs)
+
+    def training_seconds(self) -> float:
+        """Wall-clock training time so far, across resumes: earlier sessions' time comes from the restored log
+        history (up to their last log before the checkpoint)."""
+        if self._earlier_seconds is None:
+            logged = (h["train_seconds"] for h in reversed(self.state.log_history) if "train_seconds" in h)
+            self._earlier_seconds = next(logged, 0.0)
+        return self._earlier_seconds + time.perf_counter() - self._session_start
+
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:  # noqa: D102
         if "loss" in logs:  # a training-progress log: every process calls it
             logs.update(self._reduced_metrics("train"))
+            logs["train_seconds"] = round(self.training_seconds(), 1)
         super().log(logs, start_time)
 
 
@@ -1299,7 +1316,7 @@ def training_info(
         "compute": device,
         "train_tokens": metrics.get("train_tokens"),
         "train_steps": metrics.get("train_steps"),
-        "train_time_minutes": round(metrics.get("train_runtime", 0.0) / 60, 1),
+        "train_time_minutes": round(metrics.get("train_seconds", 0.0) / 60, 1),
         "license": "apache-2.0",
     }
 
@@ -1418,8 +1435,8 @@ def run_training(
     metrics = dict(result.metrics)
     steps = trainer.train_micro_batches / training_args.gradient_accumulation_steps
     metrics["train_seconds_per_step"] = seconds / max(1.0, steps)
-    metrics["train_tokens"] = trainer.train_tokens
-    metrics["train_seconds_per_token"] = seconds / max(1, trainer.train_tokens)
+    metrics["train_tokens"] = trainer.state.num_input_tokens_seen  # all sessions, all processes
+    metrics["train_seconds"] = trainer.training_seconds()  # all sessions
     if eval_set is not None:
         metrics.update(trainer.evaluate())
     metrics["train_steps"] = trainer.state.global_step

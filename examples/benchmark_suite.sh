@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# The benchmark runs published in docs/benchmarks.md, in order. Each run is resumable: rerun the script and the
+# finished prompts of an interrupted run are kept (out/bench/<run>/per_prompt.jsonl). Results land in
+# out/bench/<run>/{results.json,results.md,speedup_tau.png,time_per_iteration.png}.
+#
+#   bash examples/benchmark_suite.sh                # SmolLM2-135M-Instruct runs (about 45 minutes on 2 CPU cores)
+#   bash examples/benchmark_suite.sh qwen           # + Qwen2.5-Coder-1.5B with assisted generation (make qwen-models)
+set -euo pipefail
+
+OUT=${OUT:-out/bench}
+SMOL="--target_model smollm2-135m-instruct --num_prompts 8 --max_new_tokens 128"
+ALL=plain,prompt_lookup,eagle3,specblock,specblock_fixed_tree,specblock_one_block
+
+for dataset in mt_bench humaneval sharegpt; do
+    specblock-bench $SMOL --dataset "$dataset" --methods "$ALL" --output_dir "$OUT/smollm2-$dataset-greedy"
+done
+specblock-bench $SMOL --dataset mt_bench --methods plain,eagle3,specblock --do_sample --temperature 1.0 \
+    --output_dir "$OUT/smollm2-mt_bench-sample"
+specblock-bench $SMOL --dataset mt_bench \
+    --methods plain,specblock@2,specblock@4,specblock@8,specblock@16,specblock@32,specblock@auto,eagle3@auto \
+    --output_dir "$OUT/smollm2-mt_bench-budgets"
+
+if [[ "${1:-}" == "qwen" ]]; then
+    specblock-bench --target_model qwen2.5-coder-1.5b-instruct --assistant_model qwen2.5-coder-0.5b-instruct \
+        --dataset humaneval --num_prompts 3 --max_new_tokens 64 --warmup_tokens 8 \
+        --methods plain,prompt_lookup,assisted --output_dir "$OUT/qwen-1.5b-humaneval-greedy"
+fi
