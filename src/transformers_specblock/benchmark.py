@@ -248,7 +248,9 @@ def _fmt(value: Any) -> str:
         return "-"
     if isinstance(value, bool):
         return "yes" if value else "NO"
-    return f"{value:.3g}" if isinstance(value, float) else str(value)
+    if isinstance(value, float):
+        return f"{value:.0f}" if abs(value) >= 1000 else f"{value:.3g}"
+    return str(value)
 
 
 def plot_results(payload: dict[str, Any], output_dir: Path) -> None:

@@ -59,7 +59,7 @@ def build_model_card(drafter: Any, repo_id: str | None = None) -> ModelCard:
 
 # {repo_id or cls + " for " + target}
 
-A `{cls}` ({config.model_type}) speculative-decoding drafter for **{target}**, made with
+A speculative-decoding drafter (`{cls}`, model type {config.model_type}) for **{target}**, made with
 `transformers-specblock`. It reads three hidden states of the frozen target (layers {config.target_layer_ids})
 and its input embedding (not stored here), and drafts token trees that the target verifies in one forward:
 output stays exactly the target's own (greedy) or its distribution (sampling).
