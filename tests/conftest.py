@@ -38,6 +38,9 @@ def make_target(family: str = "llama", vocab_size: int = 128, seed: int = 0, att
 
 
 def make_drafter(target, seed: int = 0, **overrides) -> SpecBlockDraftModel:
+    """A random SpecBlock drafter for `target`; a fixed tree budget unless a test asks for "auto" (which could
+    decline to speculate on a tiny model and leave the tree code untested)."""
+    overrides.setdefault("tree_budget", 32)
     torch.manual_seed(seed + 1000)
     return SpecBlockDraftModel.from_target(target, **overrides)
 

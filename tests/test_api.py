@@ -541,7 +541,7 @@ def test_mistral_target_short_prompt():
     assert config.sliding_window is not None and config.sliding_window > 100
     mistral = transformers.MistralForCausalLM(config).eval()
     mistral.config._attn_implementation = "sdpa"
-    assistant = SpecBlockDraftModel.from_target(mistral)
+    assistant = SpecBlockDraftModel.from_target(mistral, tree_budget=16)
     streamer = RecordingStreamer()
     try:
         out = greedy(mistral, assistant_model=assistant, max_new_tokens=8, streamer=streamer)

@@ -12,7 +12,7 @@ import torch
 from conftest import make_drafter, make_target
 from test_greedy_exactness import letter_tokenizer
 from transformers_specblock import Eagle3DraftModel
-from transformers_specblock.benchmark import Method, run_benchmark, write_report
+from transformers_specblock.benchmark import Method, markdown_tables, run_benchmark, write_report
 
 VOCAB = 24
 
@@ -127,3 +127,17 @@ def test_prompts_are_spread_over_categories():
     picked = spread_over_categories(datasets.Dataset.from_list(rows), 4)
     assert picked["category"] == ["a", "b", "c", "a"] and picked["id"] == ["0", "3", "6", "1"]
     assert len(spread_over_categories(datasets.Dataset.from_list(rows), None)) == 9
+
+
+def test_sampling_speedup_is_a_rate_ratio_and_exactness_is_not_claimed():
+    target, tokenizer, prompts, methods, _ = tiny_setup()
+    results = run_benchmark(
+        target, tokenizer, prompts.select(range(2)), [methods[2]], max_new_tokens=12, do_sample=True,
+        temperature=1.0, top_k=None, top_p=None, warmup_tokens=0,
+    )  # fmt: skip
+    summary = results.summary()
+    assert summary["specblock"]["speedup"] == pytest.approx(
+        summary["specblock"]["tokens_per_s"] / summary["plain"]["tokens_per_s"]
+    )
+    assert summary["specblock"]["identical_to_reference"] is None and summary["plain"]["identical_to_reference"] is None
+    assert "| specblock |" in markdown_tables(results.payload())

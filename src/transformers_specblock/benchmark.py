@@ -63,9 +63,11 @@ class BenchmarkResults:
     prompts: list[PromptResult] = field(default_factory=list)
 
     def summary(self, category: str | None = None) -> dict[str, dict[str, Any]]:
-        """Per method: tokens/s, speed-up over the reference on the same prompts, tau, shares, exactness."""
+        """Per method: tokens/s, speed-up (tokens/s over the reference's on the same prompts: sampled outputs differ
+        in length), tau, shares, exactness (greedy only; None when sampling)."""
         rows = [r for r in self.prompts if category is None or r.category == category]
-        reference_s = sum(r.seconds for r in rows if r.method == REFERENCE)
+        reference = [r for r in rows if r.method == REFERENCE]
+        reference_rate = sum(r.new_tokens for r in reference) / sum(r.seconds for r in reference) if reference else None
         out: dict[str, dict[str, Any]] = {}
         for method in dict.fromkeys(r.method for r in rows):
             mine = [r for r in rows if r.method == method]
@@ -75,14 +77,16 @@ class BenchmarkResults:
             draft_s, verify_s = sum(r.drafter_time_s for r in trees), sum(r.target_time_s for r in trees)
             out[method] = {
                 "tokens_per_s": tokens / seconds,
-                "speedup": reference_s / seconds if reference_s else None,
+                "speedup": tokens / seconds / reference_rate if reference_rate else None,
                 "tau": sum(r.tau * r.iterations for r in trees) / iters if iters else None,
                 "drafting_share": draft_s / (draft_s + verify_s) if trees else None,
                 "drafter_forwards_per_iter": sum(r.drafter_forwards for r in trees) / iters if iters else None,
                 "nodes_per_iter": sum(r.nodes_verified for r in trees) / iters if iters else None,
                 "time_per_iter_ms": _time_split(trees, iters),
                 "peak_memory_mb": max((r.peak_memory_mb or 0.0) for r in mine) or None,
-                "identical_to_reference": all(r.identical_to_reference is not False for r in mine),
+                "identical_to_reference": None if self.settings.get("do_sample") else all(
+                    r.identical_to_reference is not False for r in mine
+                ),
                 "num_prompts": len(mine),
             }
         return out
@@ -277,13 +281,14 @@ def plot_results(payload: dict[str, Any], output_dir: Path) -> None:
 
     split = {m: payload["methods"][m]["time_per_iter_ms"] for m in methods if payload["methods"][m]["time_per_iter_ms"]}
     if split:
-        fig, ax = plt.subplots(figsize=(7, 4))
+        fig, ax = plt.subplots(figsize=(max(7.0, 1.5 * len(split)), 4.5))
         bottom = [0.0] * len(split)
         for part in ("drafting", "verification", "overhead"):
             values = [split[m][part] for m in split]
             ax.bar(list(split), values, bottom=bottom, label=part)
             bottom = [b + v for b, v in zip(bottom, values)]
         ax.set_ylabel("ms per iteration")
+        ax.tick_params(axis="x", labelrotation=25)
         ax.legend()
         fig.tight_layout()
         fig.savefig(output_dir / "time_per_iteration.png", dpi=120)

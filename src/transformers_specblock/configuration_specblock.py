@@ -6,7 +6,7 @@ from typing import Any
 
 from transformers import PretrainedConfig
 
-from .budget import DEFAULT_CANDIDATES, check_tree_budget
+from .budget import AUTO, DEFAULT_CANDIDATES, check_tree_budget
 
 # Target families whose decoder stack and hidden-state layout the drafter understands.
 SUPPORTED_TARGET_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "gemma3")
@@ -53,6 +53,7 @@ class SpecBlockConfig(PretrainedConfig):
             target once per model and device and pick, among `auto_budget_candidates`, the budget maximising
             tau / (T_M + T_D), with tau learnt from the first `auto_budget_warmup` verified trees. A candidate 0
             means "do not speculate" and wins where no tree pays for itself (a weak drafter on a slow device).
+            Default "auto".
         rank_head_hidden_size: Hidden width of the rank head MLP.
     """
 
@@ -87,7 +88,7 @@ class SpecBlockConfig(PretrainedConfig):
         fixed_width: int = 3,
         max_blocks: int = 2,
         max_followups: int = 4,
-        tree_budget: int | str = 32,
+        tree_budget: int | str = AUTO,
         auto_budget_candidates: list[int] | tuple[int, ...] = DEFAULT_CANDIDATES,
         auto_budget_warmup: int = 8,
         rank_head_hidden_size: int = 256,
