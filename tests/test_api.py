@@ -550,3 +550,16 @@ def test_mistral_target_short_prompt():
         assert streamer.puts == [] or len(streamer.puts) == 1  # nothing generated was streamed
         return
     assert torch.equal(out, greedy(mistral, max_new_tokens=8))
+
+
+def test_model_card_evaluation_table_has_a_fixed_column_order():
+    from transformers_specblock.modelcard import build_model_card
+
+    drafter = make_drafter(make_target("llama"))
+    drafter.config.eval_results = [
+        {"tau": 1.5, "dataset": "mt_bench", "extra": "x"},
+        {"dataset": "humaneval", "tau": 1.25},  # keys in another order, one missing
+    ]
+    text = str(build_model_card(drafter))
+    assert "| dataset | tau | extra |" in text
+    assert "| mt_bench | 1.5 | x |" in text and "| humaneval | 1.25 |  |" in text

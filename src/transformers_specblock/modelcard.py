@@ -27,13 +27,20 @@ print(tokenizer.decode(out[0]), drafter.last_stats.tau)
 ```"""
 
 
+EVAL_COLUMNS = ("dataset", "prompts", "max_new_tokens", "tau", "speedup_vs_plain", "tokens_per_s", "drafting_share",
+                "identical_to_plain_greedy", "hardware")  # fmt: skip
+
+
 def _table(rows: list[dict[str, Any]]) -> str:
+    """Evaluation rows as a Markdown table: the usual columns first, in a fixed order, then any others."""
     if not rows:
         return "_No evaluation recorded yet._"
-    keys = list(rows[0])
+    seen = dict.fromkeys(key for row in rows for key in row)
+    keys = [k for k in EVAL_COLUMNS if k in seen] + [k for k in seen if k not in EVAL_COLUMNS]
     lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
     for row in rows:
-        lines.append("| " + " | ".join(f"{v:.3g}" if isinstance(v, float) else str(v) for v in row.values()) + " |")
+        cells = [row.get(k, "") for k in keys]
+        lines.append("| " + " | ".join(f"{v:.3g}" if isinstance(v, float) else str(v) for v in cells) + " |")
     return "\n".join(lines)
 
 
