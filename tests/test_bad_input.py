@@ -234,6 +234,7 @@ INVALID = [
     ("block_size", dict(block_size=0)),
     ("block_size", dict(block_size=-2)),
     ("tree_budget", dict(tree_budget=0)),
+    ("prefill_chunk_size", dict(prefill_chunk_size=0)),
     ("tree_budget", dict(tree_budget=-5)),
     ("branch_widths", dict(branch_widths=[2, 4])),
     ("branch_widths", dict(branch_widths=[2, 4, 6, 0, 1])),

@@ -84,5 +84,5 @@ def test_auto_budget_zero_stops_drafting_and_stays_exact():
     assert drafter._auto_budget.trees == 2  # nothing is learnt once drafting stopped
     forwards = stats.drafter_forwards
     target.generate(prompt, assistant_model=drafter, max_new_tokens=24, do_sample=False)
-    assert set(drafter.last_stats.nodes_per_iteration) == {0} and drafter.last_stats.drafter_forwards <= 1
+    assert set(drafter.last_stats.nodes_per_iteration) == {0} and drafter.last_stats.drafter_forwards == 0
     assert forwards > drafter.last_stats.drafter_forwards

@@ -155,3 +155,28 @@ def test_drafter_cache_keeps_only_committed_entries():
     assert stats.drafter_forwards >= stats.iterations  # block 1 per iteration, follow-ups batched
     # max_blocks=3 costs at most 3 drafter forwards per verification (observe + 2 follow-up rounds)
     assert stats.drafter_forwards <= 3 * (stats.iterations + 1)
+
+
+def test_prompt_read_in_chunks_equals_one_forward():
+    target = make_target("llama", vocab_size=24, seed=3)
+    drafter = make_drafter(target, max_blocks=2)
+    torch.manual_seed(3)
+    features = torch.randn(11, 3 * drafter.config.target_hidden_size)
+    tokens = torch.randint(1, 24, (11,))
+    whole = drafter.candidate_generator()
+    whole.observe(features, tokens, first_position=1)
+    with drafter.tree_settings(prefill_chunk_size=3):
+        chunked = drafter.candidate_generator()
+        chunked.observe(features, tokens, first_position=1)
+    assert chunked.stats.drafter_forwards == 4 and whole.stats.drafter_forwards == 1
+    assert chunked.committed_entries == whole.committed_entries == 11 * drafter.config.block_size
+    for a, b in zip(chunked.root_block, whole.root_block):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    tree_a, tree_b = chunked.draft_tree(5), whole.draft_tree(5)
+    assert tree_a.tokens.tolist() == tree_b.tokens.tolist() and tree_a.parents.tolist() == tree_b.parents.tolist()
+
+    prompt = torch.randint(1, 24, (1, 9), generator=torch.Generator().manual_seed(4))
+    reference = target.generate(prompt, max_new_tokens=16, do_sample=False)
+    with drafter.tree_settings(prefill_chunk_size=2):
+        out = target.generate(prompt, assistant_model=drafter, max_new_tokens=16, do_sample=False)
+    assert out.tolist() == reference.tolist()

@@ -49,6 +49,8 @@ class SpecBlockConfig(PretrainedConfig):
         fixed_width: Candidates per slot when `tree_policy="fixed"`.
         max_blocks: Block rounds per iteration (1 = block 1 only).
         max_followups: Follow-up blocks drafted per round at most (all in one batched drafter forward).
+        prefill_chunk_size: Prompt positions the drafter reads per forward (it keeps K entries per position, so a
+            long prompt in one forward would need a (P*K)^2 mask); the result does not depend on it.
         tree_budget: Nodes the target verifies per iteration at most (the root not counted), or "auto": time the
             target once per model and device and pick, among `auto_budget_candidates`, the budget maximising
             tau / (T_M + T_D), with tau learnt from the first `auto_budget_warmup` verified trees. A candidate 0
@@ -88,6 +90,7 @@ class SpecBlockConfig(PretrainedConfig):
         fixed_width: int = 3,
         max_blocks: int = 2,
         max_followups: int = 4,
+        prefill_chunk_size: int = 256,
         tree_budget: int | str = AUTO,
         auto_budget_candidates: list[int] | tuple[int, ...] = DEFAULT_CANDIDATES,
         auto_budget_warmup: int = 8,
@@ -124,6 +127,7 @@ class SpecBlockConfig(PretrainedConfig):
         self.fixed_width = fixed_width
         self.max_blocks = max_blocks
         self.max_followups = max_followups
+        self.prefill_chunk_size = prefill_chunk_size
         self.tree_budget = tree_budget
         self.auto_budget_candidates = list(auto_budget_candidates)
         self.auto_budget_warmup = auto_budget_warmup
@@ -166,6 +170,8 @@ class SpecBlockConfig(PretrainedConfig):
             raise ValueError(f"rank_bucket_upper_bounds must be increasing ranks >= 1, got {bounds}.")
         if self.max_followups < 1:
             raise ValueError(f"max_followups must be >= 1, got {self.max_followups}.")
+        if self.prefill_chunk_size < 1:
+            raise ValueError(f"prefill_chunk_size must be >= 1, got {self.prefill_chunk_size}.")
         if self.tree_policy not in ("rank", "fixed"):
             raise ValueError(f"tree_policy must be 'rank' or 'fixed', got {self.tree_policy!r}.")
         if len(self.target_layer_ids) != 3:

@@ -124,10 +124,22 @@ class SpecBlockCandidateGenerator(TreeCandidateGenerator):
         """Feed newly committed positions i (features f_i, token x_{i+1}) and draft block 1 from the last one.
 
         target_features: [P, 3 * H_target]; next_tokens: [P]; first_position: rotary position of next_tokens[0].
+        A long prompt is fed `prefill_chunk_size` positions per forward (same result, bounded mask and activations).
         """
         num_pos = next_tokens.shape[0]
-        device = self.drafter.device
+        chunk = self.drafter.config.prefill_chunk_size
         start = time.perf_counter()
+        for offset in range(0, num_pos, chunk):
+            out = self._feed(
+                target_features[offset : offset + chunk], next_tokens[offset : offset + chunk], first_position + offset
+            )
+        self.root_block = (out.logits[0, -1], out.hidden_states[0, -1], out.rank_logits[0, -1])
+        self.root_position = first_position + num_pos - 1
+        self._account(start, forwards=-(-num_pos // chunk))
+
+    def _feed(self, target_features: torch.Tensor, next_tokens: torch.LongTensor, first_position: int):
+        """One drafter forward appending K slot entries per position to the drafter cache."""
+        num_pos, device = next_tokens.shape[0], self.drafter.device
         mask = block_causal_mask(num_pos, self.block_size, self.committed_entries, device)[None]
         positions = torch.arange(first_position, first_position + num_pos, device=device)[None]
         out = self.drafter.draft_blocks(
@@ -138,9 +150,7 @@ class SpecBlockCandidateGenerator(TreeCandidateGenerator):
             self.cache,
         )
         self.committed_entries = self.cache.get_seq_length()
-        self.root_block = (out.logits[0, -1], out.hidden_states[0, -1], out.rank_logits[0, -1])
-        self.root_position = first_position + num_pos - 1
-        self._account(start)
+        return out
 
     # ---------------------------------------------------------------------------------------------------------
     def draft_tree(self, root_token: int) -> DraftTree:

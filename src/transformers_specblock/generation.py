@@ -157,15 +157,16 @@ def tree_speculative_decoding(
     input_ids, kept, done = _commit(input_ids, token.to(input_ids.device), stopping_criteria, processed, streamer)
     scores, raw_logits = _record(scores, raw_logits, processed, raw, kept, want_scores, want_logits)
 
-    if not done:
+    # False once tree_budget="auto" chose budget 0: plain decoding steps, the drafter stays idle
+    speculating = auto_budget is None or auto_budget.choose() > 0
+    if not done and speculating:
         context = torch.cat([input_ids[0, :-1][prefix_visible.to(input_ids.device)][1:], input_ids[0, -1:]])
         generator.observe(features, context, first_position=1)
 
-    speculating = True  # False once tree_budget="auto" chose budget 0: plain decoding steps, drafter idle
     while not done:
         # draft
-        if auto_budget is not None:
-            generator.tree_budget = auto_budget.choose() if speculating else 0
+        if auto_budget is not None and speculating:
+            generator.tree_budget = auto_budget.choose()
             speculating = generator.tree_budget > 0
         drafting_before = generator.stats.drafter_time_s
         root_token = int(input_ids[0, -1])
