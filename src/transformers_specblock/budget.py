@@ -124,11 +124,12 @@ class AutoBudget:
         order = torch.sort(tree.scores, descending=True, stable=True).indices
         rank = torch.empty_like(order)
         rank[order] = torch.arange(len(tree), device=order.device)  # root has rank 0
-        path_ranks = rank[path.to(rank.device)]
-        for budget in self.candidates:
-            inside = path_ranks <= budget
-            kept = int(torch.cumprod(inside.long(), 0).sum()) if path.numel() else 0
-            self.accepted[budget] = self.accepted.get(budget, 0.0) + kept + 1
+        path_ranks = rank[path.to(rank.device)]  # [L]
+        budgets = torch.tensor(self.candidates, device=rank.device)
+        inside = path_ranks[None, :] <= budgets[:, None]  # [C, L]: each path node kept under each budget
+        kept = torch.cumprod(inside.long(), dim=1).sum(dim=1).tolist()  # path cut at its first node outside
+        for budget, count in zip(self.candidates, kept):
+            self.accepted[budget] = self.accepted.get(budget, 0.0) + count + 1
         self.drafting_seconds += drafting_seconds
         self.trees += 1
 
