@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -180,3 +181,88 @@ def test_prompt_read_in_chunks_equals_one_forward():
     with drafter.tree_settings(prefill_chunk_size=2):
         out = target.generate(prompt, assistant_model=drafter, max_new_tokens=16, do_sample=False)
     assert out.tolist() == reference.tolist()
+
+
+# --- pruning never drops an ancestor, whatever the float scores (issue: follow-up chains with log-prob 0.0) ---
+ADVERSARIAL_LOG_PROBS = [0.0, -0.0, -5e-324, -1e-45, -1e-40, -1e-12, -3e-8, -1e-7, -0.5, -17.0, float("-inf")]
+
+
+@st.composite
+def adversarial_trees(draw) -> DraftTree:
+    """Trees whose scores come from float sums with log-probs of 0.0, subnormals, values below one ulp of the start
+    score and ties; the scores need not be monotone along a path (a buggy or NaN-producing drafter)."""
+    n = draw(st.integers(2, 40))
+    tree = DraftTree.root_only(0)
+    for i in range(1, n):
+        parent = draw(st.integers(0, i - 1))
+        own = draw(st.sampled_from(ADVERSARIAL_LOG_PROBS) | st.floats(-3, 1e-6) | st.just(float("nan")))
+        start = draw(st.sampled_from([0.0, -1.0, -2.7182817, -13.0, -1e6]))
+        score = (tree.scores[parent] + start) + own if parent else torch.tensor(start + own)
+        tree.add_nodes(torch.tensor([i]), torch.tensor([parent]), tree.depths[[parent]] + 1, score.reshape(1))
+    return tree
+
+
+@settings(max_examples=300, deadline=None, derandomize=True)
+@given(adversarial_trees(), st.integers(1, 40))
+def test_prune_keeps_ancestors_under_adversarial_scores(tree, budget):
+    pruned = tree.prune(budget)
+    assert len(pruned) == min(len(tree), budget + 1)
+    assert bool((pruned.parents[1:] >= 0).all()) and bool((pruned.parents[1:] < torch.arange(1, len(pruned))).all())
+    assert bool((pruned.depths[1:] == pruned.depths[pruned.parents[1:]] + 1).all())
+    order = tree.pruning_order()
+    rank = torch.empty_like(order)
+    rank[order] = torch.arange(len(tree))
+    assert bool((rank[1:] > rank[tree.parents[1:]]).all())  # every prefix of the order is a tree
+
+
+def _round_from_log_probs(generator, tree, log_probs: torch.Tensor, start_nodes: torch.Tensor):
+    from transformers_specblock.drafting import _Round
+
+    blocks, k_slots, _ = log_probs.shape
+    return _Round(
+        log_probs=log_probs, hidden=torch.zeros(blocks, k_slots, 4), widths=torch.full((blocks, k_slots), 2),
+        entry_offset=torch.zeros(blocks, dtype=torch.long), inherited=torch.zeros(blocks, 0, dtype=torch.bool),
+        start_nodes=start_nodes,
+    )  # fmt: skip
+
+
+@settings(max_examples=300, deadline=None, derandomize=True)
+@given(
+    st.lists(st.sampled_from(ADVERSARIAL_LOG_PROBS[:-1]) | st.floats(-8.0, 0.0), min_size=4, max_size=4),
+    st.floats(-20.0, -0.01),
+    st.integers(1, 12),
+)
+def test_specblock_block_scores_never_exceed_their_parent(slot_log_probs, start_score, budget):
+    """A follow-up block started below score 0 whose slots are (nearly) certain: the chain's scores must still be
+    monotone, so pruning to any budget keeps every kept node's ancestors."""
+    target = make_target("llama", vocab_size=24, seed=1)
+    generator = make_drafter(target, block_size=4).candidate_generator()
+    tree = DraftTree.root_only(0)
+    tree.add_nodes(torch.tensor([3]), torch.tensor([0]), torch.tensor([1]), torch.tensor([start_score]))
+    # greedy token 0 takes the slot's adversarial log-prob; the runner-up token 1 gets the rest
+    log_probs = torch.full((1, 4, 24), -60.0)
+    log_probs[0, :, 0] = torch.tensor(slot_log_probs)
+    log_probs[0, :, 1] = -30.0
+    generator._expand(tree, _round_from_log_probs(generator, tree, log_probs, torch.tensor([1])))
+    assert bool((tree.scores[1:] <= tree.scores[tree.parents[1:]]).all())
+    pruned = tree.prune(budget)
+    assert bool((pruned.depths[1:] == pruned.depths[pruned.parents[1:]] + 1).all())
+
+
+@pytest.mark.parametrize("max_blocks", [2, 3])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_generate_with_a_peaked_drafter_equals_plain_greedy(seed, max_blocks, one_thread):
+    """A confident drafter (scaled `lm_head`, as training produces) with follow-up blocks and small budgets (these
+    seeds made pruning raise inside generate before scores were built parent + own)."""
+    target = make_target("llama", vocab_size=48, seed=seed)
+    prompt = torch.randint(1, 48, (1, 8), generator=torch.Generator().manual_seed(seed))
+    reference = target.generate(prompt, max_new_tokens=20, do_sample=False)
+    for scale in (15.0, 300.0):
+        drafter = make_drafter(target, seed=seed, block_size=4, max_blocks=max_blocks, branch_widths=[2, 4, 6, 4])
+        with torch.no_grad():
+            drafter.lm_head.weight.mul_(scale)
+        for budget in (2, 5, 7, 8, 11):
+            with drafter.tree_settings(tree_budget=budget):
+                out = target.generate(prompt, assistant_model=drafter, max_new_tokens=20, do_sample=False)
+            assert out.tolist() == reference.tolist(), (scale, budget)
+            assert max(drafter.last_stats.nodes_per_iteration) <= budget

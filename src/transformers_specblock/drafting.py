@@ -239,11 +239,15 @@ class SpecBlockCandidateGenerator(TreeCandidateGenerator):
         greedy_prev = node_ids[(slot - 1).clamp(min=0), block, 0]
         parents = torch.where(slot == 0, rnd.start_nodes[block], greedy_prev)
         tokens = self.drafter.d2t[top_ids[block, slot, rk]]
-        # a node at slot k hangs under the greedy chain of slots < k: add their log-probs to its own
-        chain_lp = torch.cumsum(top_lp[:, :, 0], dim=1) - top_lp[:, :, 0]  # [B, K] exclusive prefix sums
-        starts = rnd.start_nodes[block]
-        depths = tree.depths[starts] + slot + 1
-        scores = tree.scores[starts] + chain_lp[block, slot] + top_lp[block, slot, rk]
+        # a node's score is its parent's plus its own log-prob (<= 0), so it never exceeds its parent's in float;
+        # the parent of slot k is the greedy node of slot k-1 (or the block's start node for slot 0)
+        top_lp = top_lp.clamp(max=0.0)
+        parent_scores = [tree.scores[rnd.start_nodes]]  # [B] per slot
+        for k in range(1, k_slots):
+            parent_scores.append(parent_scores[-1] + top_lp[:, k - 1, 0])
+        parent_score = torch.stack(parent_scores, dim=1)  # [B, K]
+        depths = tree.depths[rnd.start_nodes[block]] + slot + 1
+        scores = parent_score[block, slot] + top_lp[block, slot, rk]
         new = tree.add_nodes(tokens, parents, depths, scores)
         leaf = (rk > 0) | (slot == k_slots - 1)  # siblings, and chains that reached the block's last slot
         return new, block, slot, leaf

@@ -86,22 +86,34 @@ class DraftTree:
             cur = torch.where(live, self.parents[cur], cur)
         return out
 
-    def prune(self, budget: int) -> "DraftTree":
-        """Keep the root and the `budget` drafted nodes of highest cumulative log-probability.
+    def path_scores(self) -> torch.Tensor:
+        """[N+1] each node's score capped by every ancestor's: the minimum score on the path root -> node.
 
-        A child never scores above its parent and comes after it, so a stable sort keeps every kept node's ancestors.
+        Drafters build a child's score as its parent's plus a log-prob <= 0, so this equals `scores`; the cap makes
+        the ranking safe anyway (a NaN counts as -inf): a node never ranks above one of its ancestors.
         """
+        capped = torch.nan_to_num(self.scores.float(), nan=float("-inf"))
+        parents = self.parents.clamp(min=0)
+        for _ in range(self.max_depth):
+            capped = torch.minimum(capped, capped[parents])
+        return capped
+
+    def pruning_order(self) -> torch.LongTensor:
+        """[N+1] node ids best first (root first): descending `path_scores`, ties in node order. Every node comes
+        after all its ancestors, so every prefix of this order is a tree (what `prune` keeps)."""
+        scores = self.path_scores()
+        scores[0] = float("inf")
+        return torch.sort(scores, descending=True, stable=True).indices
+
+    def prune(self, budget: int) -> "DraftTree":
+        """Keep the root and the first `budget` drafted nodes of `pruning_order` (ancestors of kept nodes are kept)."""
         if self.num_drafted <= budget:
             return self
-        order = torch.sort(self.scores, descending=True, stable=True).indices
         keep = torch.zeros(len(self), dtype=torch.bool, device=self.tokens.device)
-        keep[order[: budget + 1]] = True
-        keep[0] = True
+        keep[self.pruning_order()[: budget + 1]] = True
         new_index = torch.cumsum(keep, 0) - 1
         kept = keep.nonzero().squeeze(1)
         parents = self.parents[kept]
-        if not bool(keep[parents[1:]].all()):
-            raise RuntimeError("Tree pruning dropped an ancestor of a kept node (scores must not grow with depth).")
         parents = torch.where(parents >= 0, new_index[parents.clamp(min=0)], parents)
         return DraftTree(self.tokens[kept], parents, self.depths[kept], self.scores[kept])
 
