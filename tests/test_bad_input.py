@@ -177,6 +177,28 @@ def test_slot_queries_shape_mismatch(saved_drafter):
     assert "mismatch" in str(info.value).lower()
 
 
+@pytest.mark.parametrize("flaw", ["duplicate", "out_of_range", "t2d_mismatch"])
+@pytest.mark.parametrize("cls_name", ["SpecBlockDraftModel", "Eagle3DraftModel"])
+def test_corrupted_draft_vocab_is_refused_at_load(tmp_path, target, cls_name, flaw):
+    cls = getattr(transformers_specblock, cls_name)
+    drafter = cls.from_target(target, draft_vocab_size=16)
+    drafter.save_pretrained(tmp_path)
+    cls.from_pretrained(tmp_path)  # the intact checkpoint loads
+    path = tmp_path / "model.safetensors"
+    tensors = load_file(str(path))
+    if flaw == "duplicate":  # two draft ids on one target id: two identical siblings in every tree
+        tensors["d2t"][3] = tensors["d2t"][2]
+    elif flaw == "out_of_range":
+        tensors["d2t"][0] = target.config.vocab_size
+    else:
+        tensors["t2d"][:] = False
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    expected = {"duplicate": "already used target id", "out_of_range": "outside the target vocabulary",
+                "t2d_mismatch": "t2d does not mark"}[flaw]  # fmt: skip
+    with pytest.raises(ValueError, match=f"Invalid draft vocabulary.*{expected}"):
+        cls.from_pretrained(tmp_path)
+
+
 def test_loaded_drafter_bound_to_target_of_other_vocab(saved_drafter):
     loaded = SpecBlockDraftModel.from_pretrained(saved_drafter)
     other = make_target("llama", vocab_size=96)

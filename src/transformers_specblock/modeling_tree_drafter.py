@@ -59,6 +59,34 @@ class TreeDraftModel(PreTrainedModel):
         drafter.bind_target(target)
         return drafter
 
+    @classmethod
+    def from_pretrained(cls, *args: Any, **kwargs: Any) -> "TreeDraftModel":
+        """`PreTrainedModel.from_pretrained`, then a check that the draft vocabulary maps to distinct target ids."""
+        model = super().from_pretrained(*args, **kwargs)
+        loaded = model[0] if isinstance(model, tuple) else model  # output_loading_info=True returns a tuple
+        loaded.check_draft_vocab()
+        return model
+
+    def check_draft_vocab(self) -> None:
+        """Raise a ValueError unless `d2t` holds `draft_vocab_size` distinct target ids and `t2d` marks exactly them
+        (a duplicate would draft two identical siblings, which the acceptors assume never happens)."""
+        d2t, t2d = self.d2t, self.t2d
+        vocab, draft_vocab = self.config.vocab_size, self.config.draft_vocab_size
+        problem = None
+        if d2t.shape != (draft_vocab,) or d2t.is_floating_point():
+            problem = f"d2t must be an integer tensor of shape [{draft_vocab}], got {tuple(d2t.shape)} {d2t.dtype}"
+        elif draft_vocab and (int(d2t.min()) < 0 or int(d2t.max()) >= vocab):
+            problem = f"d2t holds ids outside the target vocabulary [0, {vocab})"
+        elif torch.unique(d2t).numel() != draft_vocab:
+            problem = f"d2t maps {draft_vocab - torch.unique(d2t).numel()} draft ids to an already used target id"
+        elif t2d.shape != (vocab,) or int(t2d.sum()) != draft_vocab or not bool(t2d[d2t].all()):
+            problem = "t2d does not mark exactly the target ids listed in d2t"
+        if problem is not None:
+            raise ValueError(
+                f"Invalid draft vocabulary in this {type(self).__name__}: {problem}. The checkpoint is corrupted or was "
+                "written by other code; rebuild the vocabulary (training's `set_draft_vocab`) or re-export it."
+            )
+
     def save_pretrained(self, save_directory: str | os.PathLike, *args: Any, **kwargs: Any) -> Any:
         """`PreTrainedModel.save_pretrained`, plus a generated Hub model card (`README.md`) from the config's records."""
         result = super().save_pretrained(save_directory, *args, **kwargs)

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache, LogitsProcessor, LogitsProcessorList, PreTrainedModel
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+from transformers.generation import logits_process as lp
 
 from .tree import DraftTree, tree_verification_mask
 
@@ -23,14 +24,47 @@ class Verification:
     features: torch.Tensor
 
 
+# Processors whose output row i depends only on (input_ids[i], scores[i]) and that keep no state between calls:
+# safe to call on many tree nodes at once.
+ROW_WISE_PROCESSORS: tuple[type[LogitsProcessor], ...] = (
+    lp.MinLengthLogitsProcessor, lp.MinNewTokensLengthLogitsProcessor, lp.TemperatureLogitsWarper,
+    lp.RepetitionPenaltyLogitsProcessor, lp.TopPLogitsWarper, lp.TopKLogitsWarper, lp.TopHLogitsWarper,
+    lp.MinPLogitsWarper, lp.TypicalLogitsWarper, lp.EpsilonLogitsWarper, lp.EtaLogitsWarper,
+    lp.NoRepeatNGramLogitsProcessor, lp.SequenceBiasLogitsProcessor, lp.ForcedBOSTokenLogitsProcessor,
+    lp.ForcedEOSTokenLogitsProcessor, lp.InfNanRemoveLogitsProcessor, lp.ExponentialDecayLengthPenalty,
+    lp.LogitNormalization, lp.SuppressTokensAtBeginLogitsProcessor, lp.SuppressTokensLogitsProcessor,
+    lp.WatermarkLogitsProcessor,
+)  # fmt: skip
+# Processors that keep state across calls (their own model cache, a watermark context, a call counter) or whose
+# rows must pair with the user's batch (encoder inputs, guidance halves): calling them on tree nodes, rejected ones
+# included, would corrupt them.
+STATEFUL_PROCESSORS: tuple[type[LogitsProcessor], ...] = (
+    lp.UnbatchedClassifierFreeGuidanceLogitsProcessor, lp.ClassifierFreeGuidanceLogitsProcessor,
+    lp.SynthIDTextWatermarkLogitsProcessor, lp.EncoderRepetitionPenaltyLogitsProcessor,
+    lp.EncoderNoRepeatNGramLogitsProcessor, lp.WhisperTimeStampLogitsProcessor, lp.WhisperNoSpeechDetection,
+    lp.AlternatingCodebooksLogitsProcessor, lp.BarkEosPrioritizerLogitsProcessor,
+    lp.DiaClassifierFreeGuidanceLogitsProcessor, lp.DiaEOSChannelFilterLogitsProcessor,
+    lp.DiaEOSDelayPatternLogitsProcessor,
+)  # fmt: skip
+
+
 class TreeLogitsProcessor(LogitsProcessor):
     """Applies a standard `LogitsProcessorList` to every node of a draft tree on that node's own path prefix.
 
-    Nodes of equal depth share a prefix length, so they are processed as one batch: a repetition penalty, an n-gram
-    ban or a minimum length then see exactly the tokens the target would have seen on that branch.
+    Nodes of equal depth share a prefix length, so row-wise processors (`ROW_WISE_PROCESSORS`: penalties, n-gram
+    bans, minimum lengths, warpers) see them as one batch. Any other processor, e.g. `PrefixConstrainedLogitsProcessor`
+    (which passes the row index as `batch_id`) or a user's own, is called once per node with a one-row batch, so
+    row 0 is always the user's row. Processors that keep state between calls (`STATEFUL_PROCESSORS`) are refused.
     """
 
     def __init__(self, processors: LogitsProcessorList) -> None:
+        stateful = [type(p).__name__ for p in processors if isinstance(p, STATEFUL_PROCESSORS)]
+        if stateful:
+            raise ValueError(
+                f"{', '.join(stateful)} keeps state between calls (or pairs rows with the batch), which tree decoding "
+                "cannot honour: it calls logits processors on every drafted node, rejected ones included. Generate "
+                "without assistant_model to use it."
+            )
         self.processors = processors
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor, tree: DraftTree) -> torch.FloatTensor:
@@ -42,8 +76,17 @@ class TreeLogitsProcessor(LogitsProcessor):
         for depth in range(tree.max_depth + 1):
             rows = (tree.depths == depth).nonzero().squeeze(1).to(scores.device)
             prefix = torch.cat([input_ids.expand(rows.numel(), -1), paths[rows, :depth]], dim=1)
-            processed[rows] = self.processors(prefix, scores[rows].clone())
+            processed[rows] = self._apply(prefix, scores[rows].clone())
         return processed
+
+    def _apply(self, prefix: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        """Run the processors in order on [R, S+d] prefixes and their [R, V] scores."""
+        for processor in self.processors:
+            if isinstance(processor, ROW_WISE_PROCESSORS):
+                scores = processor(prefix, scores)
+            else:
+                scores = torch.cat([processor(prefix[i : i + 1], scores[i : i + 1]) for i in range(scores.shape[0])])
+        return scores
 
 
 def verify_tree(
