@@ -1,0 +1,167 @@
+"""Command-line arguments of drafter training (`HfArgumentParser` dataclasses), the loss switches, and the dtype /
+layer-id option parsing."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from transformers import TrainingArguments
+
+from ..assets import PACKAGED_MODELS
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class ModelArguments:
+    """Which target to train a drafter for, and the drafter's shape."""
+
+    target_model: str = field(
+        metadata={"help": f"Packaged model name ({', '.join(PACKAGED_MODELS)}) or a local Hugging Face model folder."}
+    )
+    init_drafter: str | None = field(
+        default=None, metadata={"help": "Start from this drafter checkpoint (must have been built for the target)."}
+    )
+    target_dtype: str = field(
+        default="auto",
+        metadata={"help": "dtype of the frozen target: auto (bfloat16 on a bf16-capable GPU, else float32), "
+                  "float32, bfloat16 or float16."},
+    )
+    target_layer_ids: str | None = field(
+        default=None,
+        metadata={"help": "Comma-separated indices into the target's hidden_states tuple used as low/middle/high "
+                  "features (default: EAGLE-3's 2, L//2, L-3)."},
+    )
+    block_size: int | None = field(default=None, metadata={"help": "K, slots per block (default 4)."})
+    draft_vocab_size: int | None = field(
+        default=None,
+        metadata={"help": "Draft vocabulary size (default: the full vocabulary up to 16384 tokens; 16384 for "
+                  "vocabularies up to 65536, e.g. SmolLM2's 49152; 32000 above)."},
+    )
+    drafter: str = field(default="specblock", metadata={"help": "Drafter to train: 'specblock' or 'eagle3'."})
+    ttt_steps: int | None = field(default=None, metadata={"help": "EAGLE-3 training-time-test unroll (default 7)."})
+    drafter_num_layers: int | None = field(default=None, metadata={"help": "Drafter decoder layers (default 2)."})
+    init_head_from_target: bool = field(
+        default=True,
+        metadata={
+            "help": "Start a new drafter's final norm and lm_head from the target's (rows d2t of its output "
+            "embedding), so the drafter only has to learn the target's hidden-state space. Needs equal hidden sizes."
+        },
+    )
+    save_dtype: str = field(
+        default="float32", metadata={"help": "dtype of the final drafter weights: float32, bfloat16 or float16."}
+    )
+
+
+@dataclass
+class DataArguments:
+    """Training conversations and how target features are obtained."""
+
+    dataset: str = field(
+        default="sharegpt",
+        metadata={"help": "'sharegpt' (packaged ShareGPT V3, train split) or a local JSON/JSONL file of chats "
+                  "(ShareGPT 'conversations' or OpenAI-style 'messages')."},
+    )
+    eval_dataset: str | None = field(
+        default=None,
+        metadata={"help": "'sharegpt-heldout', a local JSON/JSONL file or 'none' (default: sharegpt-heldout when "
+                  "training on sharegpt, none otherwise)."},
+    )
+    eval_samples: int = field(default=64, metadata={"help": "Conversations of the eval set used (its first N)."})
+    max_train_samples: int | None = field(default=None, metadata={"help": "Use only the first N conversations."})
+    max_length: int = field(default=1024, metadata={"help": "Truncate rendered conversations to this many tokens."})
+    features: str = field(
+        default="online",
+        metadata={"help": "'online': run the frozen target inside each training step; 'precomputed': run it once "
+                  "over the training set and store features in --features_dir."},
+    )
+    features_dir: str | None = field(
+        default=None, metadata={"help": "Where precomputed features live (default: <output_dir>/features)."}
+    )
+    features_dtype: str = field(
+        default="float16", metadata={"help": "Storage dtype of precomputed hidden states (float16/bfloat16/float32)."}
+    )
+    features_shard_tokens: int = field(default=131072, metadata={"help": "Tokens per precomputed shard (about)."})
+    precompute_batch_size: int = field(default=8, metadata={"help": "Sequences per target forward when precomputing."})
+    overwrite_features: bool = field(
+        default=False, metadata={"help": "Recompute features even if --features_dir holds features for other data."}
+    )
+
+
+@dataclass
+class SpecBlockTrainingArguments(TrainingArguments):
+    """`TrainingArguments` plus the SpecBlock loss switches.
+
+    Changed defaults: ``remove_unused_columns=False`` (the collator builds what the trainer needs),
+    ``adam_beta2=0.95`` and ``max_grad_norm=0.5`` (the reference recipe), ``output_dir="out/drafter"``,
+    ``include_num_input_tokens_seen="non_padding"`` (the model card's token count, kept across a resume).
+    """
+
+    output_dir: str | None = field(default="out/drafter", metadata={"help": "Checkpoints and the final drafter."})
+    include_num_input_tokens_seen: str = field(
+        default="non_padding", metadata={"help": "Count trained tokens: 'non_padding' (default), 'all' or 'no'."}
+    )
+    remove_unused_columns: bool = field(default=False, metadata={"help": "Keep all dataset columns (needed)."})
+    adam_beta2: float = field(default=0.95, metadata={"help": "AdamW beta2."})
+    max_grad_norm: float = field(default=0.5, metadata={"help": "Gradient clipping norm."})
+    num_blocks: int = field(default=3, metadata={"help": "Blocks per training step (1 = block 1 only)."})
+    slot_decay: float = field(default=0.8, metadata={"help": "Slot k's draft loss weight is slot_decay**k."})
+    soft_labels: bool = field(
+        default=True, metadata={"help": "Soft CE to the target distribution (else hard CE on the target argmax)."}
+    )
+    valid_prefix_mask: bool = field(
+        default=True, metadata={"help": "Count slot k's draft loss only where slots 0..k-1 were top-1 correct."}
+    )
+    rank_loss_weight: float = field(default=1.0, metadata={"help": "Weight of the rank-head loss (0 disables it)."})
+    rank_chain_mask: bool = field(
+        default=True, metadata={"help": "Count rank loss only up to and including the first wrong slot."}
+    )
+    rank_class_weight_power: float = field(
+        default=0.5, metadata={"help": "Class re-weighting (N / (C n_c))**power; 0 disables, 1 = inverse frequency."}
+    )
+    rank_label_smoothing: float = field(default=0.1, metadata={"help": "Ordinal label smoothing mass epsilon."})
+    rank_distance_weight: float = field(default=1.0, metadata={"help": "Weight of the expected ordinal distance."})
+    rank_under_penalty: float = field(
+        default=2.0,
+        metadata={"help": "How much harder under-estimating a rank class is punished than over-estimating."},
+    )
+
+
+@dataclass
+class SpecBlockLossConfig:
+    """The loss switches `SpecBlockDraftModelForTraining.forward` reads (see the `modeling` module docstring)."""
+
+    slot_decay: float = 0.8
+    soft_labels: bool = True
+    valid_prefix_mask: bool = True
+    rank_loss_weight: float = 1.0
+    rank_chain_mask: bool = True
+    rank_class_weight_power: float = 0.5
+    rank_label_smoothing: float = 0.1
+    rank_distance_weight: float = 1.0
+    rank_under_penalty: float = 2.0
+    sync_normalizers: bool = True  # sum normalisers over processes under torch.distributed
+
+    @classmethod
+    def from_args(cls, args: SpecBlockTrainingArguments) -> "SpecBlockLossConfig":
+        names = [f for f in cls.__dataclass_fields__ if f != "sync_normalizers"]
+        return cls(**{name: getattr(args, name) for name in names})
+
+
+def _resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" and torch.cuda.is_bf16_supported() else torch.float32
+    if name not in _DTYPES:
+        raise ValueError(f"Unknown dtype {name!r}: expected one of auto, {', '.join(_DTYPES)}.")
+    return _DTYPES[name]
+
+
+def _parse_layer_ids(text: str | None) -> list[int] | None:
+    if text is None:
+        return None
+    try:
+        return [int(x) for x in text.replace(" ", "").split(",") if x]
+    except ValueError:
+        raise ValueError(f"--target_layer_ids must be comma-separated integers, got {text!r}.") from None
+

@@ -1,0 +1,250 @@
+"""Training conversations: loading and normalising chats, rendering them with the target's chat template into
+token ids and an assistant-token mask, and the batch collator."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import datasets
+import torch
+from transformers import PreTrainedTokenizerBase
+from transformers.utils import logging
+
+from ..assets import load_sharegpt_conversations
+
+logger = logging.get_logger(__name__)
+
+
+_ROLES = {
+    "human": "user", "user": "user", "prompter": "user",
+    "gpt": "assistant", "assistant": "assistant", "chatgpt": "assistant", "bard": "assistant", "bing": "assistant",
+    "model": "assistant",
+    "system": "system",
+}  # fmt: skip
+_END_MARKERS = ("<|im_end|>", "<|eot_id|>", "<end_of_turn>", "<|end|>", "</s>", "<|endoftext|>")
+
+
+def _text(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):  # OpenAI content parts
+        return "".join(p.get("text", "") if isinstance(p, dict) else str(p) for p in content)
+    return "" if content is None else str(content)
+
+
+def normalize_conversation(record: dict) -> list[dict[str, str]]:
+    """A ShareGPT (``conversations``: from/value) or OpenAI-style (``messages``: role/content) record -> messages.
+
+    Roles map to system/user/assistant (human/gpt/chatgpt/... included); empty and unknown-role turns are dropped,
+    consecutive turns of one role are merged, and trailing non-assistant turns are cut (nothing to learn there).
+    """
+    turns = record.get("conversations", record.get("messages"))
+    if not isinstance(turns, list):
+        raise ValueError(f"Expected a 'conversations' or 'messages' list in every record, got keys {sorted(record)}.")
+    messages: list[dict[str, str]] = []
+    for turn in turns:
+        if not isinstance(turn, dict):
+            continue
+        role = _ROLES.get(str(turn.get("from", turn.get("role", ""))).lower())
+        content = _text(turn.get("value", turn.get("content")))
+        if role is None or not content.strip():
+            continue
+        if messages and messages[-1]["role"] == role:
+            messages[-1]["content"] += "\n\n" + content
+        else:
+            messages.append({"role": role, "content": content})
+    while messages and messages[-1]["role"] != "assistant":
+        messages.pop()
+    return messages
+
+
+def _read_records(path: Path) -> list[dict]:
+    text = path.read_text(encoding="utf-8")
+    if path.suffix == ".jsonl" or not text.lstrip().startswith(("[", "{")):
+        return [json.loads(line) for line in text.splitlines() if line.strip()]
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError:  # a .json file holding JSON lines
+        return [json.loads(line) for line in text.splitlines() if line.strip()]
+    if isinstance(data, dict):
+        data = data.get("data", data.get("conversations", [data]))
+    return list(data)
+
+
+def load_conversations(source: str, limit: int | None = None) -> list[list[dict[str, str]]]:
+    """Chats as lists of ``{"role", "content"}`` messages.
+
+    ``source``: ``"sharegpt"`` (packaged ShareGPT, train split: the held-out split is never trained on),
+    ``"sharegpt-heldout"`` (the held-out split, for evaluation) or a local JSON/JSONL file.
+    """
+    if source in ("sharegpt", "sharegpt-train"):
+        records = load_sharegpt_conversations("train")
+    elif source == "sharegpt-heldout":
+        records = load_sharegpt_conversations("heldout")
+    elif os.path.isfile(source):
+        records = _read_records(Path(source))
+    else:
+        raise ValueError(f"Unknown dataset {source!r}: expected 'sharegpt', 'sharegpt-heldout' or a JSON/JSONL file.")
+    if limit is not None:
+        records = records[:limit]
+    return [normalize_conversation(r) for r in records]
+
+
+def _apply(tokenizer: PreTrainedTokenizerBase, messages: list[dict], generation_prompt: bool = False) -> str:
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+
+
+def _assistant_char_spans(
+    messages: list[dict[str, str]], tokenizer: PreTrainedTokenizerBase, text: str
+) -> list[tuple[int, int]]:
+    """Character spans of the assistant turns in the rendered ``text``.
+
+    First choice: the text the template adds for turn i, i.e. render(messages[:i+1]) minus
+    render(messages[:i], add_generation_prompt=True) (the assistant content plus its end-of-turn marker), when the
+    renders are prefixes of each other. Otherwise: the turn's content found in ``text`` after the previous span,
+    extended over an end-of-turn marker that directly follows it.
+    """
+    spans: list[tuple[int, int]] = []
+    cursor = 0
+    markers = tuple(m for m in (tokenizer.eos_token, *_END_MARKERS) if m)
+    for i, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        span = None
+        if i > 0:
+            try:
+                before = _apply(tokenizer, messages[:i], generation_prompt=True)
+                upto = _apply(tokenizer, messages[: i + 1])
+            except Exception:  # noqa: BLE001 - templates that reject partial chats
+                before = upto = None
+            if upto is not None and text.startswith(upto) and upto.startswith(before) and len(before) >= cursor:
+                if len(upto) > len(before):
+                    span = (len(before), len(upto))
+        if span is None:
+            for content in (message["content"], message["content"].strip()):
+                start = text.find(content, cursor) if content else -1
+                if start >= 0:
+                    end = start + len(content)
+                    for marker in markers:
+                        if text.startswith(marker, end):
+                            end += len(marker)
+                            break
+                    span = (start, end)
+                    break
+        if span is not None:
+            spans.append(span)
+            cursor = span[1]
+    return spans
+
+
+def render_conversation(
+    messages: list[dict[str, str]], tokenizer: PreTrainedTokenizerBase, max_length: int | None = None
+) -> dict[str, list[int]] | None:
+    """Chat-template a conversation -> ``{"input_ids", "loss_mask"}`` (1 on assistant tokens), or None if empty.
+
+    Templates with ``{% generation %}`` blocks use transformers' ``return_assistant_tokens_mask``; others get their
+    mask from the assistant turns' character spans (`_assistant_char_spans`) and the fast tokenizer's offsets.
+    """
+    if not messages:
+        return None
+    template = tokenizer.chat_template or ""
+    if "generation %}" in template:
+        enc = tokenizer.apply_chat_template(
+            messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+        )
+        ids, mask = list(enc["input_ids"]), [int(m) for m in enc["assistant_masks"]]
+    else:
+        text = _apply(tokenizer, messages)
+        spans = _assistant_char_spans(messages, tokenizer, text)
+        if tokenizer.is_fast:
+            enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+            ids, mask, s = list(enc["input_ids"]), [], 0
+            for start, end in enc["offset_mapping"]:
+                while s < len(spans) and spans[s][1] <= start:
+                    s += 1
+                mask.append(int(end > start and s < len(spans) and spans[s][0] < end))
+        else:  # slow tokenizer: tokenize the pieces between span boundaries separately
+            ids, mask, pos = [], [], 0
+            for start, end in spans:
+                for piece, flag in ((text[pos:start], 0), (text[start:end], 1)):
+                    piece_ids = tokenizer(piece, add_special_tokens=False)["input_ids"] if piece else []
+                    ids += piece_ids
+                    mask += [flag] * len(piece_ids)
+                pos = end
+            tail = tokenizer(text[pos:], add_special_tokens=False)["input_ids"] if text[pos:] else []
+            ids, mask = ids + tail, mask + [0] * len(tail)
+    if max_length is not None:
+        ids, mask = ids[:max_length], mask[:max_length]
+    if len(ids) < 3 or not any(mask[2:]):  # slot 0 of position 0 predicts token 2
+        return None
+    return {"input_ids": ids, "loss_mask": mask}
+
+
+def tokenize_conversations(
+    conversations: Sequence[list[dict[str, str]]],
+    tokenizer: PreTrainedTokenizerBase,
+    max_length: int,
+    name: str = "dataset",
+) -> datasets.Dataset:
+    """Render every conversation; raise a ValueError if none has an assistant token left."""
+    rows, failed, empty = [], 0, 0
+    for messages in conversations:
+        try:
+            row = render_conversation(messages, tokenizer, max_length)
+        except Exception as err:  # noqa: BLE001 - e.g. templates enforcing user/assistant alternation
+            failed += 1
+            if failed <= 3:
+                logger.warning(f"{name}: skipping a conversation the chat template rejected: {err}")
+            continue
+        if row is None:
+            empty += 1
+        else:
+            rows.append(row)
+    if not rows:
+        raise ValueError(
+            f"{name}: none of its {len(conversations)} conversations has an assistant turn to train on "
+            f"({empty} without assistant tokens, {failed} rejected by the chat template). A SpecBlock drafter "
+            "learns only on assistant tokens: give turns with role 'assistant' (OpenAI 'messages') or from 'gpt' "
+            "(ShareGPT 'conversations')."
+        )
+    num_tokens = sum(len(r["input_ids"]) for r in rows)
+    num_assistant = sum(sum(r["loss_mask"]) for r in rows)
+    logger.info(
+        f"{name}: {len(rows)} sequences, {num_tokens} tokens ({num_assistant} assistant tokens); skipped "
+        f"{empty} without assistant tokens and {failed} rejected by the chat template."
+    )
+    return datasets.Dataset.from_list(rows)
+
+
+@dataclass
+class SpecBlockDataCollator:
+    """Right-pads ``input_ids`` (with ``pad_token_id``), ``loss_mask`` and, for precomputed features, the feature
+    tensors; adds ``attention_mask`` (1 on real tokens)."""
+
+    pad_token_id: int = 0
+    pad_to_multiple_of: int | None = None
+
+    def __call__(self, examples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        lengths = [len(e["input_ids"]) for e in examples]
+        length = max(lengths)
+        if self.pad_to_multiple_of:
+            length = -(-length // self.pad_to_multiple_of) * self.pad_to_multiple_of
+        batch: dict[str, torch.Tensor] = {}
+        for key in examples[0]:
+            values = [torch.as_tensor(e[key]) for e in examples]
+            fill = self.pad_token_id if key == "input_ids" else 0
+            out = values[0].new_full((len(values), length, *values[0].shape[1:]), fill)
+            for row, value in enumerate(values):
+                out[row, : value.shape[0]] = value
+            batch[key] = out
+        batch["input_ids"] = batch["input_ids"].long()
+        batch["loss_mask"] = batch["loss_mask"].bool()
+        if "target_argmax" in batch:
+            batch["target_argmax"] = batch["target_argmax"].long()
+        batch["attention_mask"] = torch.arange(length)[None, :] < torch.tensor(lengths)[:, None]
+        return batch

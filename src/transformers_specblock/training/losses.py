@@ -1,0 +1,206 @@
+"""The parts of the training loss (soft CE, valid prefix, rank labels and the rank-head loss), the per-block terms,
+the follow-up block visibility mask, the cross-process sum of the normalisers and the logged metrics."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from ..modeling_tree_drafter import training_stat_names
+
+
+def soft_cross_entropy(draft_logits: torch.Tensor, target_probs: torch.Tensor) -> torch.Tensor:
+    """``-sum_v p(v) log softmax(draft_logits)(v)`` over the last dim (p: the target's draft-vocab distribution)."""
+    return -(target_probs * draft_logits.float().log_softmax(-1)).sum(-1)
+
+
+def valid_prefix(correct: torch.BoolTensor) -> torch.BoolTensor:
+    """[..., K] -> [..., K]: slot k is True iff slots 0..k-1 were all correct (slot 0 always True)."""
+    ones = torch.ones_like(correct[..., :1])
+    return torch.cat([ones, correct[..., :-1]], dim=-1).long().cumprod(-1).bool()
+
+
+def target_ranks(draft_logits: torch.Tensor, target_index: torch.LongTensor) -> torch.LongTensor:
+    """1-based rank of the target's token (a draft-vocab index, -1 = not in the draft vocabulary) in each draft
+    distribution: 1 + the number of draft logits strictly above its logit; ``Vd + 1`` when not in the vocabulary."""
+    logits = draft_logits.detach().float()
+    own = logits.gather(-1, target_index.clamp(min=0)[..., None])
+    ranks = (logits > own).sum(-1) + 1
+    return torch.where(target_index >= 0, ranks, logits.shape[-1] + 1)
+
+
+def rank_labels(ranks: torch.LongTensor, upper_bounds: Sequence[int], in_vocab: torch.BoolTensor) -> torch.LongTensor:
+    """Rank-head class per slot: class c holds ranks in (bounds[c-1], bounds[c]] (bounds (1, 4, 10): rank 1 -> 0,
+    2-4 -> 1, 5-10 -> 2, >10 -> 3); a target token outside the draft vocabulary is always the last class."""
+    bounds = torch.tensor(list(upper_bounds), device=ranks.device)
+    labels = torch.bucketize(ranks, bounds, right=False)
+    return torch.where(in_vocab, labels, len(bounds))
+
+
+def ordinal_targets(labels: torch.LongTensor, num_classes: int, smoothing: float, under_penalty: float) -> torch.Tensor:
+    """Asymmetric ordinal label smoothing: ``1 - eps`` on the label, ``eps * u/(u+1)`` on the next higher class and
+    ``eps * 1/(u+1)`` on the next lower one (u = ``under_penalty``; at an edge the whole eps goes to the one
+    neighbour; with a single class no smoothing)."""
+    target = F.one_hot(labels, num_classes).float()
+    if smoothing <= 0 or num_classes < 2:
+        return target
+    up_share = under_penalty / (under_penalty + 1.0)
+    up = torch.where(labels == 0, 1.0, torch.where(labels == num_classes - 1, 0.0, up_share))
+    target = target * (1 - smoothing)
+    higher = (labels + 1).clamp(max=num_classes - 1)
+    lower = (labels - 1).clamp(min=0)
+    up_mass = smoothing * up * (labels < num_classes - 1)
+    down_mass = smoothing * (1 - up) * (labels > 0)
+    target = target.scatter_add(-1, higher[..., None], up_mass[..., None])
+    target = target.scatter_add(-1, lower[..., None], down_mass[..., None])
+    return target
+
+
+def rank_head_loss(
+    rank_logits: torch.Tensor,
+    labels: torch.LongTensor,
+    mask: torch.BoolTensor,
+    class_counts: torch.Tensor | None = None,
+    class_weight_power: float = 0.5,
+    label_smoothing: float = 0.1,
+    distance_weight: float = 1.0,
+    under_penalty: float = 2.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank-head loss: returns (weighted loss sum, weight sum); the loss is their ratio.
+
+    Per counted slot with label y and predicted class distribution p over C classes::
+
+        l = -sum_c q_c log p_c  +  distance_weight * sum_c p_c * D(c, y) / (C - 1)
+        D(c, y) = under_penalty * (y - c)  if c < y  (under-estimating the rank: a branch that would have been
+                  (c - y)                  if c >= y  accepted is not drafted)
+
+    q: `ordinal_targets` (asymmetric ordinal smoothing). Each slot is weighted by its class weight
+    ``w_y = (N / (C * max(n_y, 1))) ** class_weight_power``, where n_c are the counted slots of class c in
+    ``class_counts`` (default: counted in ``mask``; under DDP: summed over processes) and N = sum n_c.
+    """
+    num_classes = rank_logits.shape[-1]
+    labels = labels.clamp(max=num_classes - 1)
+    mask_f = mask.float()
+    if class_counts is None:
+        class_counts = torch.bincount(labels[mask], minlength=num_classes).float()
+    total = class_counts.sum()
+    class_weights = (total / (num_classes * class_counts.clamp(min=1))).pow(class_weight_power)
+    log_p = rank_logits.float().log_softmax(-1)
+    q = ordinal_targets(labels, num_classes, label_smoothing, under_penalty)
+    loss = -(q * log_p).sum(-1)
+    if distance_weight and num_classes > 1:
+        c = torch.arange(num_classes, device=labels.device)
+        diff = labels[..., None] - c  # > 0: class c under-estimates the label
+        dist_ = torch.where(diff > 0, under_penalty * diff, -diff).float() / (num_classes - 1)
+        loss = loss + distance_weight * (log_p.exp() * dist_).sum(-1)
+    weights = class_weights[labels] * mask_f
+    return (loss * weights).sum(), (class_counts * class_weights).sum()
+
+
+@dataclass
+class BlockTerms:
+    """Per (batch, position, slot) terms of one block; see `block_terms`."""
+
+    ce: torch.Tensor  # float, with grad
+    correct: torch.BoolTensor  # draft argmax == target argmax
+    in_vocab: torch.BoolTensor  # target argmax inside the draft vocabulary
+    counted: torch.BoolTensor  # predicted token exists and is an assistant token
+    exists: torch.BoolTensor  # predicted token exists (not padding, inside the sequence)
+    labels: torch.LongTensor  # rank-head class
+    prefix: torch.BoolTensor  # slots 0..k-1 all correct
+
+
+def block_terms(
+    logits: torch.Tensor,
+    target_probs: torch.Tensor,
+    target_index: torch.LongTensor,
+    loss_tokens: torch.BoolTensor,
+    real_tokens: torch.BoolTensor,
+    offset: int,
+    rank_bounds: Sequence[int],
+    soft_labels: bool = True,
+) -> BlockTerms:
+    """Align one block's slots with the target and compute its per-slot terms.
+
+    logits [B, P, K, Vd] drafter logits for positions i = 0..P-1 (P = T-1); target_probs [B, T, Vd] the target's
+    draft-vocab distribution per sequence position; target_index [B, T] its argmax as a draft index (-1: outside the
+    draft vocabulary); loss_tokens / real_tokens [B, T] assistant / non-padding tokens. With the block's cumulative
+    ``offset`` (0 for block 1), slot k of position i is compared with target position j = i + 1 + offset + k and
+    predicts token j + 1.
+    """
+    batch, num_pos, k_slots, _ = logits.shape
+    length = target_probs.shape[1]
+    cols: dict[str, list[torch.Tensor]] = {k: [] for k in ("ce", "correct", "in_vocab", "counted", "exists", "labels")}
+    for k in range(k_slots):
+        s = 1 + offset + k
+        n = max(0, min(num_pos, length - 1 - s))
+        pad = num_pos - n
+        dl = logits[:, :n, k].float()
+        tid = target_index[:, s : s + n]
+        if soft_labels:
+            ce = soft_cross_entropy(dl, target_probs[:, s : s + n])
+        else:
+            ce = -dl.log_softmax(-1).gather(-1, tid.clamp(min=0)[..., None])[..., 0]
+        ranks = target_ranks(dl, tid)
+        in_vocab = tid >= 0
+        values = {
+            "ce": ce,
+            "correct": (dl.detach().argmax(-1) == tid) & in_vocab,
+            "in_vocab": in_vocab,
+            "counted": loss_tokens[:, s + 1 : s + 1 + n] & real_tokens[:, s + 1 : s + 1 + n],
+            "exists": real_tokens[:, s + 1 : s + 1 + n].clone(),
+            "labels": rank_labels(ranks, rank_bounds, in_vocab),
+        }
+        for key, value in values.items():
+            cols[key].append(F.pad(value, (0, pad)) if pad else value)
+    stacked = {key: torch.stack(v, dim=2) for key, v in cols.items()}
+    return BlockTerms(**stacked, prefix=valid_prefix(stacked["correct"]))
+
+
+def followup_training_mask(
+    num_positions: int, block_size: int, increments: Sequence[int], device: torch.device | str
+) -> torch.BoolTensor:
+    """[P*K, (b+1)*P*K] visibility for follow-up block b (after b earlier blocks, all in one cache).
+
+    ``increments[c]`` = M of the block started from block c (it inherits slot M-1). Slot k of position i sees
+    block 1's slots of positions < i, slots 0..M-1 of every earlier block at position i (the chain it extends), and
+    its own slots 0..k, as `tree.followup_block_mask` does at inference.
+    """
+    pos = torch.arange(num_positions, device=device).repeat_interleave(block_size)
+    slot = torch.arange(block_size, device=device).repeat(num_positions)
+    same_pos = pos[None, :] == pos[:, None]
+    parts = []
+    for c, m in enumerate(increments):
+        visible = same_pos & (slot[None, :] < m)
+        if c == 0:
+            visible = visible | (pos[None, :] < pos[:, None])
+        parts.append(visible)
+    parts.append(same_pos & (slot[None, :] <= slot[:, None]))
+    return torch.cat(parts, dim=1)
+
+
+def _all_reduce(tensor: torch.Tensor) -> tuple[torch.Tensor, int]:
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        tensor = tensor.clone()
+        dist.all_reduce(tensor)
+        return tensor, dist.get_world_size()
+    return tensor, 1
+
+
+def stats_to_metrics(stats: torch.Tensor, block_size: int) -> dict[str, float]:
+    """Summed stats -> per-slot top-1 accuracy and draft CE (block 1), acceptance estimate, rank-head accuracy and
+    the loss parts."""
+    s = dict(zip(training_stat_names(block_size), stats.double().tolist()))
+    batches = max(s["batches"], 1.0)
+    metrics = {"loss_draft": s["loss_draft"] / batches, "loss_rank": s["loss_rank"] / batches}
+    for k in range(block_size):
+        metrics[f"acc_slot{k}"] = s[f"correct_slot{k}"] / max(s[f"counted_slot{k}"], 1.0)
+    for k in range(block_size):
+        metrics[f"ce_slot{k}"] = s[f"ce_sum_slot{k}"] / max(s[f"ce_count_slot{k}"], 1.0)
+    metrics["accept_length"] = s["accept_sum"] / max(s["accept_count"], 1.0)
+    metrics["rank_acc"] = s["rank_correct"] / max(s["rank_count"], 1.0)
+    return metrics

@@ -1,0 +1,288 @@
+"""`run_training`, what ``specblock-train`` runs: load the target and the data, build (or load) the drafter, train
+it with `SpecBlockTrainer`, then record the run, plot the learning curve and save the weights."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import datasets
+import torch
+from transformers import PreTrainedModel
+from transformers.utils import logging
+
+from ..assets import PACKAGED_MODELS, load_packaged_model
+from ..configuration_eagle3 import Eagle3Config
+from ..configuration_specblock import SpecBlockConfig
+from ..modeling_eagle3 import Eagle3DraftModel
+from ..modeling_specblock import SpecBlockDraftModel
+from .arguments import (
+    _DTYPES,
+    DataArguments,
+    ModelArguments,
+    SpecBlockLossConfig,
+    SpecBlockTrainingArguments,
+    _parse_layer_ids,
+    _resolve_dtype,
+)
+from .data import SpecBlockDataCollator, load_conversations, tokenize_conversations
+from .features import PrecomputedFeatures, precompute_features
+from .modeling import SpecBlockDraftModelForTraining
+from .trainer import SpecBlockTrainer
+from .vocab import build_draft_vocab, default_draft_vocab_size, init_head_from_target, set_draft_vocab
+
+logger = logging.get_logger(__name__)
+
+
+def check_layer_ids(layer_ids: Sequence[int], target: PreTrainedModel, target_name: str) -> None:
+    """Raise a ValueError if the target has no hidden state for one of ``layer_ids``."""
+    num_layers = target.config.get_text_config().num_hidden_layers
+    if len(layer_ids) != 3:
+        raise ValueError(f"--target_layer_ids needs 3 ids (low, middle, high), got {list(layer_ids)}.")
+    bad = [i for i in layer_ids if not 0 <= i <= num_layers]
+    if bad:
+        raise ValueError(
+            f"--target_layer_ids {list(layer_ids)}: the target {target_name!r} has {num_layers} layers, so its hidden "
+            f"states are numbered 0..{num_layers}; {bad} do not exist."
+        )
+
+
+def check_drafter_for_target(
+    config: SpecBlockConfig, target: PreTrainedModel, drafter_path: str, target_name: str
+) -> None:
+    """Raise a ValueError naming both values if the drafter at ``drafter_path`` was built for another target."""
+    text_config = target.config.get_text_config()
+    checks = [
+        ("vocab_size", config.vocab_size, target.get_input_embeddings().num_embeddings),
+        ("hidden_size", config.target_hidden_size, text_config.hidden_size),
+        ("num_hidden_layers", config.target_num_hidden_layers, text_config.num_hidden_layers),
+    ]
+    if config.target_model_type is not None:
+        checks.append(("model_type", config.target_model_type, text_config.model_type))
+    for name, expected, actual in checks:
+        if expected != actual:
+            raise ValueError(
+                f"--init_drafter {drafter_path} was built for a target with {name}={expected}, but --target_model "
+                f"{target_name} has {name}={actual}. Train from scratch (drop --init_drafter) or pass a drafter "
+                "trained for this target."
+            )
+
+
+DRAFTERS = {  # --drafter -> (config class, trainable model class whose forward returns the loss)
+    "specblock": (SpecBlockConfig, SpecBlockDraftModelForTraining),
+    "eagle3": (Eagle3Config, Eagle3DraftModel),
+}
+
+
+def _build_drafter(
+    model_args: ModelArguments, target: PreTrainedModel, train_set: datasets.Dataset
+) -> SpecBlockDraftModelForTraining | Eagle3DraftModel:
+    layer_ids = _parse_layer_ids(model_args.target_layer_ids)
+    if layer_ids is not None:
+        check_layer_ids(layer_ids, target, model_args.target_model)
+    vocab_size = target.config.get_text_config().vocab_size
+    if model_args.drafter not in DRAFTERS:
+        raise ValueError(f"--drafter must be one of {sorted(DRAFTERS)}, got {model_args.drafter!r}.")
+    config_class, model_class = DRAFTERS[model_args.drafter]
+    if model_args.drafter == "eagle3" and (model_args.block_size or model_args.drafter_num_layers):
+        raise ValueError("--block_size / --drafter_num_layers are SpecBlock settings; EAGLE-3 has one layer.")
+    if model_args.init_drafter:
+        config = config_class.from_pretrained(model_args.init_drafter)
+        check_drafter_for_target(config, target, model_args.init_drafter, model_args.target_model)
+        for name, requested in (
+            ("block_size", model_args.block_size),
+            ("target_layer_ids", layer_ids),
+            ("draft_vocab_size", model_args.draft_vocab_size),
+            ("num_hidden_layers", model_args.drafter_num_layers),
+        ):
+            if requested is not None and requested != getattr(config, name, requested):
+                raise ValueError(
+                    f"--init_drafter {model_args.init_drafter} has {name}={getattr(config, name)}, but "
+                    f"{requested} was requested. Drop the option or train a new drafter."
+                )
+        check_layer_ids(config.target_layer_ids, target, model_args.target_model)
+        drafter = model_class.from_pretrained(model_args.init_drafter, dtype=torch.float32)
+        logger.info(f"Starting from the drafter in {model_args.init_drafter} (its draft vocabulary is kept).")
+    else:
+        overrides: dict[str, Any] = {
+            "draft_vocab_size": model_args.draft_vocab_size or default_draft_vocab_size(vocab_size)
+        }
+        if model_args.drafter == "eagle3":
+            overrides["ttt_steps"] = model_args.ttt_steps or 7
+        else:
+            overrides["block_size"] = model_args.block_size or 4
+        if layer_ids is not None:
+            overrides["target_layer_ids"] = layer_ids
+        if model_args.drafter_num_layers is not None:
+            overrides["num_hidden_layers"] = model_args.drafter_num_layers
+        config = config_class.from_target_config(target.config, **overrides)
+        check_layer_ids(config.target_layer_ids, target, model_args.target_model)
+        drafter = model_class(config)
+        d2t, coverage = build_draft_vocab(
+            train_set["input_ids"], train_set["loss_mask"], vocab_size, config.draft_vocab_size
+        )
+        set_draft_vocab(drafter, d2t)
+        if model_args.init_head_from_target:
+            init_head_from_target(drafter, target)
+        logger.warning(
+            f"Draft vocabulary: {config.draft_vocab_size} of {vocab_size} target tokens, covering "
+            f"{100 * coverage:.2f}% of the training assistant tokens."
+        )
+    drafter.bind_target(target)
+    return drafter.float()
+
+
+def training_info(
+    model_args: ModelArguments, data_args: DataArguments, metrics: dict[str, Any], command: str
+) -> dict[str, Any]:
+    """What the model card reports about a training run (stored as ``config.training_info``)."""
+    packaged = model_args.target_model in PACKAGED_MODELS
+    device = "GPU: " + torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU ({os.cpu_count()} cores)"
+    return {
+        "command": command,
+        "datasets": ["anon8231489123/ShareGPT_Vicuna_unfiltered"] if data_args.dataset == "sharegpt" else None,
+        "data": (
+            f"{data_args.dataset} conversations (max_train_samples={data_args.max_train_samples}, max_length="
+            f"{data_args.max_length}); the corpus' own assistant turns with the target's soft labels, NOT responses "
+            "regenerated by the target; held-out ShareGPT split never used for training"
+        ),
+        "target": PACKAGED_MODELS[model_args.target_model].hub_id if packaged else model_args.target_model,
+        "compute": device,
+        "train_tokens": metrics.get("train_tokens"),
+        "train_steps": metrics.get("train_steps"),
+        "train_time_minutes": round(metrics.get("train_seconds", 0.0) / 60, 1),
+        "license": "apache-2.0",
+    }
+
+
+def record_training_info(drafter: SpecBlockDraftModel, info: dict[str, Any]) -> None:
+    """Attach a run's record to the drafter config (the generated model card reads it)."""
+    drafter.config.training_info = {k: v for k, v in info.items() if k not in ("target",)}
+    drafter.config.target_name_or_path = info["target"]
+
+
+def plot_learning_curve(log_history: list[dict[str, Any]], path: str | os.PathLike) -> None:
+    """Training loss, per-slot top-1 accuracy and the chain acceptance estimate against the step (a PNG)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    logs = [e for e in log_history if "loss" in e and "step" in e]
+    if not logs:
+        return
+    steps = [e["step"] for e in logs]
+    fig, axes = plt.subplots(1, 3, figsize=(14, 3.8))
+    axes[0].plot(steps, [e["loss"] for e in logs])
+    axes[0].set_title("training loss")
+    for key in sorted(k for k in logs[0] if k.startswith("acc_slot")):
+        axes[1].plot(steps, [e.get(key, float("nan")) for e in logs], label=key)
+    axes[1].set_title("top-1 accuracy per slot (training batches)")
+    axes[1].legend(fontsize=7)
+    axes[2].plot(steps, [e.get("accept_length", float("nan")) for e in logs])
+    axes[2].set_title("estimated accepted length (greedy chain)")
+    for ax in axes:
+        ax.set_xlabel("step")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def save_drafter(drafter: SpecBlockDraftModel, output_dir: str | os.PathLike, dtype: torch.dtype) -> None:
+    """``save_pretrained`` a plain `SpecBlockDraftModel` copy (safetensors, no target embedding) in ``dtype``."""
+    final = (SpecBlockDraftModel if isinstance(drafter, SpecBlockDraftModel) else type(drafter))(drafter.config)
+    final.load_state_dict(drafter.state_dict())
+    final.to(dtype).save_pretrained(output_dir)
+
+
+def run_training(
+    model_args: ModelArguments,
+    data_args: DataArguments,
+    training_args: SpecBlockTrainingArguments,
+    command: str | None = None,
+) -> SpecBlockTrainer:
+    """Train a drafter end to end (what ``specblock-train`` runs); returns the trainer after saving."""
+    if data_args.features not in ("online", "precomputed"):
+        raise ValueError(f"--features must be 'online' or 'precomputed', got {data_args.features!r}.")
+    if training_args.num_blocks < 1:
+        raise ValueError(f"--num_blocks must be >= 1, got {training_args.num_blocks}.")
+    save_dtype = _DTYPES.get(model_args.save_dtype)
+    if save_dtype is None:
+        raise ValueError(f"--save_dtype must be one of {', '.join(_DTYPES)}, got {model_args.save_dtype!r}.")
+    features_dtype = _DTYPES.get(data_args.features_dtype)
+    if features_dtype is None:
+        raise ValueError(f"--features_dtype must be one of {', '.join(_DTYPES)}, got {data_args.features_dtype!r}.")
+
+    target_dtype = _resolve_dtype(model_args.target_dtype, training_args.device)
+    target, tokenizer = load_packaged_model(model_args.target_model, dtype=target_dtype)
+    target.requires_grad_(False)
+    if not tokenizer.chat_template:
+        raise ValueError(f"The tokenizer of {model_args.target_model!r} has no chat template to render conversations.")
+
+    conversations = load_conversations(data_args.dataset, data_args.max_train_samples)
+    train_set = tokenize_conversations(conversations, tokenizer, data_args.max_length, name=data_args.dataset)
+    eval_source = data_args.eval_dataset
+    if eval_source is None:
+        eval_source = "sharegpt-heldout" if data_args.dataset in ("sharegpt", "sharegpt-train") else "none"
+    eval_set = None
+    if eval_source != "none":
+        eval_conversations = load_conversations(eval_source, data_args.eval_samples)
+        eval_set = tokenize_conversations(eval_conversations, tokenizer, data_args.max_length, name=eval_source)
+
+    torch.manual_seed(training_args.seed)
+    drafter = _build_drafter(model_args, target, train_set)
+    drafter.loss_config = SpecBlockLossConfig.from_args(training_args)
+
+    if data_args.features == "precomputed":
+        features_dir = data_args.features_dir or os.path.join(training_args.output_dir, "features")
+        with training_args.main_process_first(desc="precomputing target features"):
+            precompute_features(
+                target.to(training_args.device),
+                train_set,
+                features_dir,
+                drafter.config.target_layer_ids,
+                dtype=features_dtype,
+                batch_size=data_args.precompute_batch_size,
+                shard_tokens=data_args.features_shard_tokens,
+                overwrite=data_args.overwrite_features and training_args.process_index == 0,
+                description={"target_model": model_args.target_model, "max_length": data_args.max_length},
+            )
+        train_dataset: torch.utils.data.Dataset = PrecomputedFeatures(features_dir)
+        logger.warning(f"Precomputed features: {train_dataset.info['bytes_per_token']} bytes per token.")
+    else:
+        train_dataset = train_set
+
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
+    trainer = SpecBlockTrainer(
+        model=drafter,
+        args=training_args,
+        train_dataset=train_dataset,
+        eval_dataset=eval_set,
+        data_collator=SpecBlockDataCollator(pad_token_id=pad_id),
+        processing_class=tokenizer,
+        target=target,
+        num_blocks=1 if model_args.drafter == "eagle3" else training_args.num_blocks,
+    )
+    start = time.perf_counter()
+    result = trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+    seconds = time.perf_counter() - start
+    metrics = dict(result.metrics)
+    steps = trainer.train_micro_batches / training_args.gradient_accumulation_steps
+    metrics["train_seconds_per_step"] = seconds / max(1.0, steps)
+    metrics["train_tokens"] = trainer.state.num_input_tokens_seen  # all sessions, all processes
+    metrics["train_seconds"] = trainer.training_seconds()  # all sessions
+    if eval_set is not None:
+        metrics.update(trainer.evaluate())
+    metrics["train_steps"] = trainer.state.global_step
+    info = training_info(model_args, data_args, metrics, command or "run_training(...)")
+    record_training_info(trainer.accelerator.unwrap_model(trainer.model), info)
+    if training_args.should_save:
+        trainer.save_metrics("train", metrics)
+        trainer.save_state()
+        save_drafter(trainer.accelerator.unwrap_model(trainer.model), training_args.output_dir, save_dtype)
+        plot_learning_curve(trainer.state.log_history, os.path.join(training_args.output_dir, "learning_curve.png"))
+        logger.warning(f"Saved the drafter ({model_args.save_dtype}) to {training_args.output_dir}.")
+    trainer.final_metrics = metrics
+    return trainer

@@ -1,0 +1,115 @@
+"""`SpecBlockTrainer`: the `Trainer` that runs the frozen target inside every step and logs the drafter metrics."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+from transformers import PreTrainedModel, Trainer
+from transformers.trainer_utils import EvalLoopOutput
+
+from ..modeling_specblock import SpecBlockDraftModel
+from .features import _target_head, draft_target_logits, target_argmax, target_features
+from .losses import _all_reduce, stats_to_metrics
+
+
+class SpecBlockTrainer(Trainer):
+    """`Trainer` whose step runs the frozen target (online features) or turns precomputed features into soft labels,
+    draws the follow-up offsets, and logs the SpecBlock metrics (``acc_slot{k}``, ``accept_length``, ``rank_acc``,
+    ``loss_draft``, ``loss_rank``) with the training loss and in every evaluation."""
+
+    def __init__(self, *args: Any, target: PreTrainedModel, num_blocks: int = 3, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.target = target.to(self.args.device).eval().requires_grad_(False)
+        self.num_blocks = num_blocks
+        self.loss_is_scaled_for_ga = False  # per-micro-batch means: the Trainer divides by the accumulation steps
+        drafter = self.accelerator.unwrap_model(self.model)
+        self.block_size = getattr(drafter.config, "block_size", None) or drafter.config.ttt_steps  # eagle3: steps
+        self.layer_ids = list(drafter.config.target_layer_ids)
+        self._stats: dict[str, torch.Tensor | None] = {"train": None, "eval": None}
+        self.train_micro_batches = 0  # in this session, this process
+        self._session_start = time.perf_counter()
+        self._earlier_seconds: float | None = None  # training time of the sessions before a resume
+
+    def followup_offsets(self, training: bool) -> list[int]:
+        """M ~ U{1..K} per follow-up block, from a generator seeded by (seed, global step): the same on every
+        process and across a resume; evaluation uses a fixed draw."""
+        step = self.state.global_step if training else -1
+        generator = torch.Generator().manual_seed(self.args.seed * 1_000_003 + step + 17)
+        draws = torch.randint(1, self.block_size + 1, (max(0, self.num_blocks - 1),), generator=generator)
+        return draws.tolist()
+
+    def target_batch(self, drafter: SpecBlockDraftModel, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The drafter's training inputs: target features, draft-vocab target logits and the target argmax."""
+        weight, softcap = _target_head(self.target)
+        with torch.no_grad():
+            draft_weight = weight.index_select(0, drafter.d2t.to(weight.device))
+            if "features" in inputs:  # precomputed
+                features, final, argmax = inputs["features"], inputs["final_hidden"], inputs["target_argmax"]
+            else:
+                features, final = target_features(
+                    self.target, inputs["input_ids"], inputs["attention_mask"], self.layer_ids
+                )
+                argmax = target_argmax(final, weight)
+            target_logits = draft_target_logits(final.to(draft_weight.device), draft_weight, softcap)
+        device = drafter.device
+        return {
+            "input_ids": inputs["input_ids"],
+            "attention_mask": inputs["attention_mask"],
+            "loss_mask": inputs["loss_mask"],
+            "features": features.to(device),
+            "target_logits": target_logits.to(device),
+            "target_argmax": argmax.to(device),
+        }
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):  # noqa: D102
+        drafter = self.accelerator.unwrap_model(model)
+        batch = self.target_batch(drafter, inputs)
+        outputs = model(**batch, followup_offsets=self.followup_offsets(model.training))
+        key = "train" if model.training else "eval"
+        stats = outputs.stats.detach()
+        self._stats[key] = stats if self._stats[key] is None else self._stats[key] + stats
+        if model.training:
+            self.train_micro_batches += 1
+        return (outputs.loss, outputs) if return_outputs else outputs.loss
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):  # noqa: D102
+        inputs = self._prepare_inputs(inputs)
+        with torch.no_grad():
+            loss = self.compute_loss(model, inputs)
+        return loss.detach(), None, None
+
+    def _reduced_metrics(self, key: str) -> dict[str, float]:
+        stats = self._stats[key]
+        self._stats[key] = None
+        if stats is None:
+            return {}
+        stats, _ = _all_reduce(stats.to(self.args.device))
+        return stats_to_metrics(stats, self.block_size)
+
+    def evaluation_loop(self, *args: Any, **kwargs: Any) -> EvalLoopOutput:  # noqa: D102
+        self._stats["eval"] = None
+        output = super().evaluation_loop(*args, **kwargs)
+        prefix = kwargs.get("metric_key_prefix", args[4] if len(args) > 4 else "eval")
+        for name, value in self._reduced_metrics("eval").items():
+            output.metrics[f"{prefix}_{name}"] = value
+        return output
+
+    def train(self, *args: Any, **kwargs: Any):  # noqa: D102
+        self._session_start, self._earlier_seconds = time.perf_counter(), None
+        return super().train(*args, **kwargs)
+
+    def training_seconds(self) -> float:
+        """Wall-clock training time so far, across resumes: earlier sessions' time comes from the restored log
+        history (up to their last log before the checkpoint)."""
+        if self._earlier_seconds is None:
+            logged = (h["train_seconds"] for h in reversed(self.state.log_history) if "train_seconds" in h)
+            self._earlier_seconds = next(logged, 0.0)
+        return self._earlier_seconds + time.perf_counter() - self._session_start
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:  # noqa: D102
+        if "loss" in logs:  # a training-progress log: every process calls it
+            logs.update(self._reduced_metrics("train"))
+            logs["train_seconds"] = round(self.training_seconds(), 1)
+        super().log(logs, start_time)

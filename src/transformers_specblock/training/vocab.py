@@ -1,0 +1,61 @@
+"""The draft vocabulary (``d2t`` / ``t2d``: the most frequent assistant tokens of the training data) and a new
+drafter's head initialised from the target's."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import torch
+from transformers import PreTrainedModel
+
+from ..modeling_specblock import SpecBlockDraftModel
+from .features import _target_head
+
+
+def default_draft_vocab_size(vocab_size: int) -> int:
+    """The full vocabulary up to 16384 tokens; 16384 up to 65536 (SmolLM2: 49152 -> 16384); 32000 above
+    (Llama 3 / Qwen2.5: the reference EAGLE-3 size)."""
+    if vocab_size <= 16384:
+        return vocab_size
+    return 16384 if vocab_size <= 65536 else 32000
+
+
+def build_draft_vocab(
+    token_lists: Iterable[Sequence[int]], mask_lists: Iterable[Sequence[int]], vocab_size: int, draft_vocab_size: int
+) -> tuple[torch.LongTensor, float]:
+    """``d2t``: the ``draft_vocab_size`` most frequent assistant tokens (ties: lower id first; ids never seen fill
+    up from the lowest id), sorted by target id; and the fraction of assistant tokens it covers."""
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    for ids, mask in zip(token_lists, mask_lists):
+        ids_t = torch.as_tensor(ids, dtype=torch.long)
+        counts += torch.bincount(ids_t[torch.as_tensor(mask, dtype=torch.bool)], minlength=vocab_size)[:vocab_size]
+    order = torch.sort(-counts, stable=True).indices  # most frequent first, ties by id
+    d2t = torch.sort(order[:draft_vocab_size]).values
+    coverage = float(counts[d2t].sum()) / max(1, int(counts.sum()))
+    return d2t, coverage
+
+
+def set_draft_vocab(drafter: SpecBlockDraftModel, d2t: torch.LongTensor) -> None:
+    """Store a sorted draft->target id map into the drafter's ``d2t`` / ``t2d`` buffers."""
+    if d2t.numel() != drafter.config.draft_vocab_size:
+        raise ValueError(
+            f"d2t has {d2t.numel()} ids, the drafter's draft_vocab_size is {drafter.config.draft_vocab_size}."
+        )
+    with torch.no_grad():
+        drafter.d2t.copy_(d2t.to(drafter.d2t.device))
+        drafter.t2d.zero_()
+        drafter.t2d[drafter.d2t] = True
+
+
+def init_head_from_target(drafter: SpecBlockDraftModel, target: PreTrainedModel) -> None:
+    """Copy the target's final norm and its output-embedding rows `d2t` into the drafter's `norm` / `lm_head`."""
+    weight, _ = _target_head(target)
+    if weight.shape[1] != drafter.config.hidden_size:
+        raise ValueError(
+            f"--init_head_from_target needs the drafter hidden size ({drafter.config.hidden_size}) to equal the "
+            f"target's ({weight.shape[1]}); pass --no_init_head_from_target."
+        )
+    final_norm = target.get_decoder().norm
+    with torch.no_grad():
+        drafter.lm_head.weight.copy_(weight[drafter.d2t.to(weight.device)].to(drafter.lm_head.weight))
+        drafter.norm.weight.copy_(final_norm.weight.to(drafter.norm.weight))
