@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 
@@ -27,12 +29,92 @@ def test_auto_budget_counts_what_each_budget_would_have_accepted():
     # scores: node1 -0.1, node2 -0.5, node3 (child of 1) -0.3, node4 (child of 3) -2.0
     tree.add_nodes(torch.tensor([5, 6, 7, 8]), torch.tensor([0, 0, 1, 3]), torch.tensor([1, 1, 2, 3]),
                    torch.tensor([-0.1, -0.5, -0.3, -2.0]))  # fmt: skip
-    chooser = AutoBudget([1, 2, 3, 4], TargetCost([1, 4], [1.0, 1.0]), warmup=1)
-    assert chooser.choose() == 4  # learning: the largest tree
+    chooser = AutoBudget([1, 2, 3, 4, 8], TargetCost([1, 8], [1.0, 1.0]), warmup=1)
+    assert chooser.choose() == 8  # learning: the largest tree
     chooser.observe(tree, torch.tensor([1, 3, 4]), drafting_seconds=0.0)
-    # ranks: node1 1, node3 2, node2 3, node4 4 -> budget 1 keeps 1 path node, 2 and 3 keep 2, 4 keeps 3
-    assert chooser.accepted == {1: 2.0, 2: 3.0, 3: 3.0, 4: 4.0}
-    assert chooser.choose() == 4  # equal costs: the most accepted
+    # ranks: node1 1, node3 2, node2 3, node4 4 -> budget 1 keeps 1 path node, 2 and 3 keep 2, 4 keeps 3; the tree
+    # (4 nodes, drafted budget unknown) tells nothing about budget 8
+    assert chooser.estimates() == {1: 2.0, 2: 3.0, 3: 3.0, 4: 4.0}
+    assert chooser.choose() == 8  # never measured: tried first
+    # a tree that was not pruned (4 nodes under budget 8) is what every larger budget drafts too
+    chooser.observe(tree, torch.tensor([1, 3, 4]), drafting_seconds=0.0, budget=8)
+    assert chooser.estimates() == {1: 2.0, 2: 3.0, 3: 3.0, 4: 4.0, 8: 4.0}
+    assert chooser.choose() == 4  # equal costs: the most accepted (the smallest such)
+
+
+# A synthetic stream: the chooser's budget drafts a chain of that many nodes (so every tree is pruned to exactly
+# its budget), of which the first L are accepted, L drawn from the current regime.
+STREAM_COST = TargetCost([0, 2, 4, 8, 16], [1.0, 1.1, 1.25, 1.6, 2.4])  # CPU-like: every node costs time
+GOOD, BAD = [5, 6, 7], [0, 0, 0, 0, 0, 0, 1]  # accepted lengths of a good and of a useless drafter
+
+
+def _chain(size: int) -> DraftTree:
+    tree = DraftTree.root_only(0)
+    tree.add_nodes(torch.arange(1, size + 1), torch.arange(size), torch.arange(1, size + 1),
+                   -0.1 * torch.arange(1, size + 1).float())  # fmt: skip
+    return tree
+
+
+def _true_best(lengths: list[int], cost: TargetCost = STREAM_COST) -> int:
+    tau = {b: 1 + sum(min(n, b) for n in lengths) / len(lengths) for b in cost.sizes}
+    return best_budget(tau, cost, drafting_seconds=0.3)
+
+
+def _run_stream(chooser: AutoBudget, regimes: list[list[int]], steps: int, seed: int) -> tuple[list[int], list[int]]:
+    """Per step: the chooser's choice and the budget it drafted with."""
+    rng = random.Random(seed)
+    choices, drafted = [], []
+    for regime in regimes:
+        for _ in range(steps):
+            budget = chooser.next_budget(explore_interval=16)
+            choices.append(chooser.choose())
+            drafted.append(budget)
+            if budget:
+                accepted = min(rng.choice(regime), budget)
+                chooser.observe(_chain(budget), torch.arange(1, accepted + 1), drafting_seconds=0.3)
+    return choices, drafted
+
+
+@pytest.mark.parametrize("direction", ["upwards", "downwards"])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_auto_budget_follows_a_change_halfway(direction, seed):
+    """The best budget jumps halfway (0 -> 8 when the drafter becomes good, 8 -> 0 when it becomes useless): the
+    choice follows within a bounded number of verified steps and stays there (noise may move it briefly)."""
+    before, after = (BAD, GOOD) if direction == "upwards" else (GOOD, BAD)
+    best_before, best_after = _true_best(before), _true_best(after)
+    assert {best_before, best_after} == {0, 8}
+    chooser = AutoBudget([0, 2, 4, 8, 16], STREAM_COST)
+    steps, bound = 300, 150
+    choices, drafted = _run_stream(chooser, [before, after], steps, seed)
+    assert choices[steps - 50 : steps].count(best_before) >= 45  # it had settled before the change
+    followed = [i - steps for i in range(steps, 2 * steps) if choices[i] == best_after]
+    assert followed and followed[0] <= bound, f"the change was followed after {followed[:1]} steps (bound {bound})"
+    assert choices[steps + bound :].count(best_after) >= 0.9 * (steps - bound)
+    # exploring costs at most one step in explore_interval after the warm-up (plus the brief noise moves)
+    assert sum(b != c for b, c in zip(drafted, choices)) <= 2 * steps / 16 + 1
+
+
+def test_auto_budget_estimates_above_the_choice_are_unbiased():
+    """Trees pruned to the chosen budget must not count for larger budgets: their estimates stay at the truth
+    (a budget of 8 or 16 commits 1 + L tokens here) instead of shrinking towards tau of the chosen budget."""
+    cost = TargetCost([0, 2, 4, 8, 16], [1.0, 1.1, 1.25, 2.2, 4.0])  # the best is 4; 8 and 16 are too slow
+    chooser = AutoBudget([0, 2, 4, 8, 16], cost)
+    lengths = [5, 6, 7]
+    choices, drafted = _run_stream(chooser, [lengths], 600, seed=0)
+    assert _true_best(lengths, cost) == 4
+    assert choices[100:].count(4) >= 0.95 * 500  # it settled on 4
+    truth = {2: 3.0, 4: 5.0, 8: 7.0, 16: 7.0}
+    seen = {b: [] for b in truth}
+    rng = random.Random(1)
+    for _ in range(300):  # keep going, recording the estimates: their average must be the truth
+        budget = chooser.next_budget(explore_interval=16)
+        chooser.observe(_chain(budget), torch.arange(1, min(rng.choice(lengths), budget) + 1), drafting_seconds=0.3)
+        for b, value in chooser.estimates().items():
+            if b:
+                seen[b].append(value)
+    for b, value in truth.items():
+        assert sum(seen[b]) / len(seen[b]) == pytest.approx(value, abs=0.25), b
+    assert set(drafted[100:]) == {4, 8, 16} and drafted[100:].count(4) >= 0.9 * 500  # above 4 only to explore
 
 
 def test_budget_validation():
@@ -45,6 +127,9 @@ def test_budget_validation():
     for bad in ([], [4, -1], [2.5]):
         with pytest.raises(ValueError, match="auto_budget_candidates"):
             make_drafter(target, tree_budget="auto", auto_budget_candidates=bad)
+    for bad in (0, -1, 2.5, True):
+        with pytest.raises(ValueError, match="auto_budget_explore_interval"):
+            make_drafter(target, tree_budget="auto", auto_budget_explore_interval=bad)
 
 
 def test_auto_budget_in_generate_is_exact_and_picks_a_candidate():
@@ -73,7 +158,10 @@ def test_budget_zero_wins_when_no_tree_pays_for_itself():
 
 def test_auto_budget_zero_stops_drafting_and_stays_exact():
     target = make_target("llama", vocab_size=24, seed=2)
-    drafter = make_drafter(target, tree_budget="auto", auto_budget_candidates=[0, 4], auto_budget_warmup=2)
+    drafter = make_drafter(
+        target, tree_budget="auto", auto_budget_candidates=[0, 4], auto_budget_warmup=2,
+        auto_budget_explore_interval=1000,
+    )  # fmt: skip
     prompt = torch.randint(1, 24, (1, 6), generator=torch.Generator().manual_seed(2))
     reference = target.generate(prompt, max_new_tokens=24, do_sample=False)
     drafter.auto_budget(target).cost = TargetCost([0, 4], [0.01, 10.0])  # verifying a tree is prohibitively slow
@@ -81,8 +169,58 @@ def test_auto_budget_zero_stops_drafting_and_stays_exact():
     assert out.tolist() == reference.tolist()
     stats = drafter.last_stats
     assert min(stats.nodes_per_iteration[:2]) > 0 and set(stats.nodes_per_iteration[2:]) == {0}
-    assert drafter._auto_budget.trees == 2  # nothing is learnt once drafting stopped
+    assert drafter._auto_budget.trees == 2  # no exploring step within 1000 steps
     forwards = stats.drafter_forwards
+    # chosen 0 from the start: the drafter does not even read the prompt
     target.generate(prompt, assistant_model=drafter, max_new_tokens=24, do_sample=False)
     assert set(drafter.last_stats.nodes_per_iteration) == {0} and drafter.last_stats.drafter_forwards == 0
     assert forwards > drafter.last_stats.drafter_forwards
+
+
+def test_auto_budget_zero_comes_back_when_acceptance_improves(monkeypatch):
+    """A drafter whose trees do not pay chooses 0; it keeps exploring (reading the context it skipped, its prompt
+    included, just before an exploring tree), and speculates again once its trees pay. Output stays plain greedy."""
+    vocab = 24
+    target = make_target("llama", vocab_size=vocab, seed=3)
+    drafter = make_drafter(
+        target, block_size=1, max_blocks=1, tree_policy="fixed", fixed_width=1, tree_budget="auto",
+        auto_budget_candidates=[0, vocab], auto_budget_warmup=2, auto_budget_explore_interval=4,
+    )  # fmt: skip
+    # a tree costs 1.6 plain steps: one guess (tau about 1 + 1/24) does not pay, every token as a guess (tau 2) does
+    drafter.auto_budget(target).cost = TargetCost([0, vocab], [1.0, 1.6])
+    prompt = torch.randint(1, vocab, (1, 6), generator=torch.Generator().manual_seed(3))
+    reference = target.generate(prompt, max_new_tokens=40, do_sample=False)
+    out = target.generate(prompt, assistant_model=drafter, max_new_tokens=40, do_sample=False)
+    assert out.tolist() == reference.tolist()
+    nodes = drafter.last_stats.nodes_per_iteration
+    assert nodes[-4:].count(0) >= 3  # chose 0
+    assert all(n > 0 for n in nodes[5::4])  # but explores every 4th step
+    # record what the drafter reads: every committed position once, in order, at its rotary position
+    reads = []
+    make_generator = drafter.candidate_generator
+
+    def recording_generator(**overrides):
+        generator = make_generator(**overrides)
+        observe = generator.observe
+
+        def recording_observe(features, tokens, first_position):
+            assert features.shape == (tokens.numel(), 3 * target.config.hidden_size)
+            reads.append((first_position, tokens.tolist()))
+            observe(features, tokens, first_position)
+
+        generator.observe = recording_observe
+        return generator
+
+    monkeypatch.setattr(drafter, "candidate_generator", recording_generator)
+    # the drafter improves (here: it proposes every token at depth 1, so one token is always accepted)
+    with drafter.tree_settings(fixed_width=vocab):
+        out = target.generate(prompt, assistant_model=drafter, max_new_tokens=80, do_sample=False)
+        assert out.tolist() == target.generate(prompt, max_new_tokens=80, do_sample=False).tolist()
+        nodes = drafter.last_stats.nodes_per_iteration
+        assert len(reads[0][1]) > prompt.shape[1]  # the prompt pass was skipped, then read with the skipped steps
+        position = 1
+        for first, tokens in reads:
+            assert first == position and tokens == out[0, first : first + len(tokens)].tolist()
+            position += len(tokens)
+        assert nodes[0] == 0 and drafter._auto_budget.choose() == vocab  # it came back to speculating
+        assert nodes[-10:] == [vocab] * 10 and set(drafter.last_stats.accepted_per_iteration[-10:]) == {2}

@@ -2,18 +2,22 @@
 
 Throughput is tau(B) / (T_M(B) + T_D): tau grows with the verified tree size B while the target's forward cost
 T_M(B) grows too — slowly on a GPU, steeply on a CPU. `TargetCost` times the target's forward once per model and
-device; `AutoBudget` learns tau(B) for every candidate B from the trees actually verified (a tree pruned to B keeps
-its top-B nodes by score, so the accepted path is cut where its first node falls outside them) and picks the best.
+device; `AutoBudget` learns tau(B) for every candidate B from the trees actually verified (a tree pruned to B
+keeps its first B nodes in pruning order, so the accepted path is cut where its first node falls outside them),
+counting a tree only for the candidates it can tell about, with statistics over the last `window` verified steps,
+and explores budgets above its choice every `explore_interval` steps, so its choice follows a drafter or a device
+that changes.
 
-Budget 0 means "do not speculate": the target decodes one token per forward and the drafter is not run at all
-(tau = 1, no drafting time). It wins where no tree pays for its drafting and verification, e.g. a weak drafter on a
-CPU; the choice then holds for the rest of the drafter's life (nothing is drafted that could change it).
+Budget 0 means "do not speculate": the target decodes one token per forward and the drafter is not run (tau = 1, no
+drafting time). It wins where no tree pays for its drafting and verification, e.g. a weak drafter on a CPU; the
+exploring steps keep measuring larger budgets, so the drafter comes back when its trees start to pay.
 """
 
 from __future__ import annotations
 
 import time
 import weakref
+from collections import deque
 from dataclasses import dataclass, field
 
 import torch
@@ -24,6 +28,9 @@ from .verification import truncate_cache
 
 AUTO = "auto"
 DEFAULT_CANDIDATES = (0, 2, 4, 8, 16, 24, 32, 48, 64)
+DEFAULT_EXPLORE_INTERVAL = 32  # verified steps between two trees drafted above the chosen budget
+DEFAULT_WINDOW = 64  # verified steps: the estimates are means over the samples of the last `window` steps
+DEFAULT_KEEP = 4  # ... and over at least the last `keep` samples of each candidate
 
 
 def check_tree_budget(value: int | str) -> None:
@@ -104,39 +111,118 @@ def best_budget(tau: dict[int, float], cost: TargetCost, drafting_seconds: float
     return max(tau, key=lambda b: tau[b] / (cost(b) + (drafting_seconds if b else 0.0)))
 
 
+class RecentMean:
+    """The mean of the samples of the last `window` steps, and at least of the last `keep` samples (so a quantity
+    measured rarely keeps its latest measurements instead of none). `count` is the number of samples ever added."""
+
+    def __init__(self, window: int, keep: int) -> None:
+        self.window, self.keep = window, keep
+        self.samples: deque[tuple[int, float]] = deque()  # (step, value), oldest first
+        self.count = 0
+
+    def add(self, step: int, value: float) -> None:
+        self.samples.append((step, value))
+        self.count += 1
+        while len(self.samples) > self.keep and self.samples[0][0] <= step - self.window:
+            self.samples.popleft()
+
+    def mean(self, step: int) -> float:
+        recent = [v for i, (s, v) in enumerate(reversed(self.samples)) if i < self.keep or s > step - self.window]
+        return sum(recent) / len(recent) if recent else 0.0
+
+
 @dataclass
 class AutoBudget:
-    """Learns tau(B) for candidate budgets from verified trees; picks the best once `warmup` trees were seen."""
+    """Learns tau(B) for candidate budgets from verified trees and picks the budget for each verified step.
+
+    What is counted: a verified tree drafted with budget D and holding n drafted nodes tells exactly what every
+    candidate c <= n would have committed (pruning it to c keeps its first c nodes in `pruning_order`: the tree
+    budget c drafts); if n < D the tree was not pruned, and every larger budget drafts that same tree, so it tells
+    about all candidates. Each candidate has its own samples and count: a tree never counts for a candidate it
+    cannot tell about, so budgets above the current choice are not credited with a smaller tree's accepted path.
+
+    Following change: a candidate's tau (and the drafting time T_D) is the mean of its samples of the last `window`
+    verified steps, and at least of its last `keep` samples. Candidate 0 needs none: tau = 1, no drafting.
+
+    Exploring: after `warmup` trees at the largest candidate, `next_budget` returns the best budget (`choose`),
+    except on every `explore_interval`-th step, which drafts above it: the k-th exploration goes 1 + (trailing zeros
+    of k) candidates up (capped at the largest), so the next larger candidate is measured at every exploration, the
+    one above it at every second, and so on. A candidate never measured is tried first. Budget 0 explores too, so it
+    is not absorbing.
+    """
 
     candidates: list[int]
     cost: TargetCost
     warmup: int = 8
-    accepted: dict[int, float] = field(default_factory=dict)  # sum of committed tokens per candidate budget
-    drafting_seconds: float = 0.0
-    trees: int = 0
+    window: int = DEFAULT_WINDOW
+    keep: int = DEFAULT_KEEP
+    trees: int = 0  # verified trees observed
+    clock: int = 0  # verified steps (calls of next_budget)
+    steps: int = 0  # verified steps after the warm-up: the exploration clock
+    explorations: int = 0
+    tau: dict[int, RecentMean] = field(init=False)  # committed tokens per tree, per candidate > 0
+    drafting: RecentMean = field(init=False)  # drafter seconds per representative speculative step
+
+    def __post_init__(self) -> None:
+        self.ladder = sorted(set(self.candidates))
+        self.tau = {b: RecentMean(self.window, self.keep) for b in self.ladder if b > 0}
+        self.drafting = RecentMean(self.window, self.keep)
 
     @property
     def largest(self) -> int:
-        return max(self.candidates)
+        return self.ladder[-1]
 
-    def observe(self, tree: DraftTree, path: torch.LongTensor, drafting_seconds: float) -> None:
-        """Record what each candidate budget would have committed for this verified tree and accepted `path`."""
-        order = torch.sort(tree.scores, descending=True, stable=True).indices
-        rank = torch.empty_like(order)
-        rank[order] = torch.arange(len(tree), device=order.device)  # root has rank 0
-        path_ranks = rank[path.to(rank.device)]  # [L]
-        budgets = torch.tensor(self.candidates, device=rank.device)
-        inside = path_ranks[None, :] <= budgets[:, None]  # [C, L]: each path node kept under each budget
-        kept = torch.cumprod(inside.long(), dim=1).sum(dim=1).tolist()  # path cut at its first node outside
-        for budget, count in zip(self.candidates, kept):
-            self.accepted[budget] = self.accepted.get(budget, 0.0) + count + 1
-        self.drafting_seconds += drafting_seconds
+    def estimates(self) -> dict[int, float]:
+        """The current tau estimate of every measured candidate (candidate 0 is exactly 1)."""
+        return {b: self.tau[b].mean(self.clock) if b else 1.0 for b in self.ladder if b == 0 or self.tau[b].count}
+
+    def observe(
+        self, tree: DraftTree, path: torch.LongTensor, drafting_seconds: float | None, budget: int | None = None
+    ) -> None:
+        """Record, for every candidate this verified tree tells about, what it would have committed.
+
+        `budget`: the budget the tree was drafted with (None: only candidates up to its size are told about).
+        `drafting_seconds`: the drafter time of this step, or None where it is not representative (the drafter first
+        caught up on a prompt or on skipped steps).
+        """
+        drafted = tree.num_drafted
+        unpruned = budget is not None and drafted < budget
+        told = [b for b in self.tau if b <= drafted or unpruned]
+        if told:
+            order = tree.pruning_order()  # what `DraftTree.prune` keeps a prefix of
+            rank = torch.empty_like(order)
+            rank[order] = torch.arange(len(tree), device=order.device)  # root has rank 0
+            path_ranks = rank[path.to(rank.device)]  # [L]
+            budgets = torch.tensor(told, device=rank.device)
+            inside = path_ranks[None, :] <= budgets[:, None]  # [C, L]: each path node kept under each budget
+            kept = torch.cumprod(inside.long(), dim=1).sum(dim=1).tolist()  # path cut at its first node outside
+            for b, count in zip(told, kept):
+                self.tau[b].add(self.clock, count + 1.0)
+        if drafting_seconds is not None:
+            self.drafting.add(self.clock, drafting_seconds)
         self.trees += 1
 
     def choose(self) -> int:
-        """The budget to draft with now: the largest while learning, then the best measured one (0 = stop
-        speculating)."""
+        """The best budget now (no side effect): the largest while warming up, then a candidate never measured (the
+        largest such), then the argmax of tau(B) / (T_M(B) + T_D) (0 = do not speculate)."""
         if self.trees < self.warmup:
             return self.largest
-        tau = {b: self.accepted[b] / self.trees for b in self.candidates}
-        return best_budget(tau, self.cost, self.drafting_seconds / self.trees)
+        unmeasured = [b for b, stat in self.tau.items() if not stat.count]
+        if unmeasured:
+            return max(unmeasured)
+        return best_budget(self.estimates(), self.cost, self.drafting.mean(self.clock))
+
+    def next_budget(self, explore_interval: int = DEFAULT_EXPLORE_INTERVAL) -> int:
+        """The budget to draft with at this verified step (call once per step, budget-0 steps included): `choose()`,
+        or on every `explore_interval`-th step after the warm-up a larger candidate (see the class docstring)."""
+        self.clock += 1
+        best = self.choose()
+        if self.trees < self.warmup:
+            return best
+        self.steps += 1
+        index = self.ladder.index(best)
+        if self.steps % explore_interval or index == len(self.ladder) - 1:
+            return best
+        self.explorations += 1
+        up = (self.explorations & -self.explorations).bit_length()  # 1, 2, 1, 3, 1, 2, 1, 4, ...
+        return self.ladder[min(index + up, len(self.ladder) - 1)]

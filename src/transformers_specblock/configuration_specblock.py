@@ -6,7 +6,7 @@ from typing import Any
 
 from transformers import PretrainedConfig
 
-from .budget import AUTO, DEFAULT_CANDIDATES, check_tree_budget
+from .budget import AUTO, DEFAULT_CANDIDATES, DEFAULT_EXPLORE_INTERVAL, check_tree_budget
 
 # Target families whose decoder stack and hidden-state layout the drafter understands.
 SUPPORTED_TARGET_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "gemma3")
@@ -53,9 +53,12 @@ class SpecBlockConfig(PretrainedConfig):
             long prompt in one forward would need a (P*K)^2 mask); the result does not depend on it.
         tree_budget: Nodes the target verifies per iteration at most (the root not counted), or "auto": time the
             target once per model and device and pick, among `auto_budget_candidates`, the budget maximising
-            tau / (T_M + T_D), with tau learnt from the first `auto_budget_warmup` verified trees. A candidate 0
-            means "do not speculate" and wins where no tree pays for itself (a weak drafter on a slow device).
-            Default "auto".
+            tau / (T_M + T_D), with tau learnt from the verified trees (the first `auto_budget_warmup` ones at the
+            largest candidate, then over a window of recent steps). A candidate 0 means "do not speculate" and wins
+            where no tree pays for itself (a weak drafter on a slow device). Default "auto".
+        auto_budget_explore_interval: With tree_budget="auto", every this many verified steps one tree is drafted
+            above the chosen budget (also when the choice is 0), so larger budgets keep being measured and the
+            choice follows a drafter or device that changes. Default 32.
         rank_head_hidden_size: Hidden width of the rank head MLP.
     """
 
@@ -94,6 +97,7 @@ class SpecBlockConfig(PretrainedConfig):
         tree_budget: int | str = AUTO,
         auto_budget_candidates: list[int] | tuple[int, ...] = DEFAULT_CANDIDATES,
         auto_budget_warmup: int = 8,
+        auto_budget_explore_interval: int = DEFAULT_EXPLORE_INTERVAL,
         rank_head_hidden_size: int = 256,
         **kwargs: Any,
     ) -> None:
@@ -131,6 +135,7 @@ class SpecBlockConfig(PretrainedConfig):
         self.tree_budget = tree_budget
         self.auto_budget_candidates = list(auto_budget_candidates)
         self.auto_budget_warmup = auto_budget_warmup
+        self.auto_budget_explore_interval = auto_budget_explore_interval
         self.rank_head_hidden_size = rank_head_hidden_size
         super().__init__(**kwargs)
         self.validate_settings()
@@ -153,6 +158,9 @@ class SpecBlockConfig(PretrainedConfig):
                 "auto_budget_candidates must be a non-empty list of ints >= 0 (0 = do not speculate), got "
                 f"{self.auto_budget_candidates}."
             )
+        interval = self.auto_budget_explore_interval
+        if not isinstance(interval, int) or isinstance(interval, bool) or interval < 1:
+            raise ValueError(f"auto_budget_explore_interval must be an int >= 1, got {interval!r}.")
         if not 1 <= self.draft_vocab_size <= self.vocab_size:
             raise ValueError(f"draft_vocab_size must be in [1, vocab_size={self.vocab_size}], got {self.draft_vocab_size}.")
         if len(self.branch_widths) != self.num_rank_classes:

@@ -17,7 +17,7 @@ from transformers.generation import GenerateDecoderOnlyOutput, GenerationMixin, 
 from transformers.cache_utils import DynamicLayer
 from transformers.generation.streamers import BaseStreamer
 
-from .budget import AUTO
+from .budget import AUTO, DEFAULT_EXPLORE_INTERVAL
 from .drafting import sync
 from .modeling_tree_drafter import TreeDraftModel
 from .tree import DraftTree
@@ -157,20 +157,41 @@ def tree_speculative_decoding(
     input_ids, kept, done = _commit(input_ids, token.to(input_ids.device), stopping_criteria, processed, streamer)
     scores, raw_logits = _record(scores, raw_logits, processed, raw, kept, want_scores, want_logits)
 
-    # False once tree_budget="auto" chose budget 0: plain decoding steps, the drafter stays idle
-    speculating = auto_budget is None or auto_budget.choose() > 0
-    if not done and speculating:
+    # Committed positions the drafter has not read yet: target features f_i [P, 3H], next tokens x_{i+1} [P], and the
+    # rotary position of the first next token. The drafter reads them in one `observe` right before it drafts, so
+    # while tree_budget="auto" chooses 0 ("do not speculate") it stays idle (its prompt pass included) and catches up
+    # when a step explores a tree.
+    unread: list[tuple[torch.Tensor, torch.LongTensor]] = []
+    unread_first = 1
+    if not done:
         context = torch.cat([input_ids[0, :-1][prefix_visible.to(input_ids.device)][1:], input_ids[0, -1:]])
-        generator.observe(features, context, first_position=1)
+        unread.append((features, context))
+    drafter_started = False  # whether the drafter read the prompt in this call
+    explore_interval = getattr(drafter.config, "auto_budget_explore_interval", DEFAULT_EXPLORE_INTERVAL)
 
     while not done:
         # draft
-        if auto_budget is not None and speculating:
-            generator.tree_budget = auto_budget.choose()
-            speculating = generator.tree_budget > 0
-        drafting_before = generator.stats.drafter_time_s
+        budget = auto_budget.next_budget(explore_interval) if auto_budget is not None else generator.tree_budget
+        speculating = budget > 0
         root_token = int(input_ids[0, -1])
-        tree = generator.draft_tree(root_token) if speculating else DraftTree.root_only(root_token, model.device)
+        drafting_seconds = None
+        if speculating:
+            generator.tree_budget = budget
+            # a step's drafting time (observe + draft) is representative only when the drafter read just the last
+            # step's positions, not a prompt or several skipped steps
+            steady = drafter_started and len(unread) == 1
+            drafting_before = generator.stats.drafter_time_s
+            if unread:
+                read_features = unread[0][0] if len(unread) == 1 else torch.cat([f for f, _ in unread])
+                read_tokens = unread[0][1] if len(unread) == 1 else torch.cat([t for _, t in unread])
+                generator.observe(read_features, read_tokens, first_position=unread_first)
+                unread.clear()
+                drafter_started = True
+            tree = generator.draft_tree(root_token)
+            if steady:
+                drafting_seconds = generator.stats.drafter_time_s - drafting_before
+        else:
+            tree = DraftTree.root_only(root_token, model.device)
         # verify
         sync(model.device)
         target_start = time.perf_counter()
@@ -185,7 +206,7 @@ def tree_speculative_decoding(
         sync(model.device)
         stats.target_time_s += time.perf_counter() - target_start
         if auto_budget is not None and speculating:
-            auto_budget.observe(tree, path, generator.stats.drafter_time_s - drafting_before)
+            auto_budget.observe(tree, path, drafting_seconds, budget=budget)
         new_tokens = torch.cat([tree.tokens[path], bonus.to(tree.tokens.device)]).to(input_ids.device)
         prefix_visible = torch.cat([prefix_visible, prefix_visible.new_ones(keep.numel())])
         next_position += keep.numel()
@@ -196,9 +217,11 @@ def tree_speculative_decoding(
         scores, raw_logits = _record(
             scores, raw_logits, processed[keep], result.logits[keep], kept, want_scores, want_logits
         )
-        # observe: the drafter reads the accepted positions' target features
-        if not done and speculating:
-            generator.observe(result.features[keep], new_tokens, first_position=next_position - keep.numel() + 1)
+        # the accepted positions' target features, for the drafter to read before its next draft
+        if not done and (auto_budget is None or auto_budget.largest > 0):
+            if not unread:
+                unread_first = next_position - keep.numel() + 1
+            unread.append((result.features[keep], new_tokens))
 
     if streamer is not None:
         streamer.end()
