@@ -16,7 +16,7 @@ import torch
 from transformers import AutoModel
 
 from transformers_specblock import load_packaged_model, load_prompts
-from transformers_specblock.benchmark import Method, run_benchmark, write_report
+from transformers_specblock.commands.benchmark import Method, run_benchmark, write_report
 
 PROMPT_SETS = ("mt_bench", "humaneval", "sharegpt")
 

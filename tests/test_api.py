@@ -15,7 +15,7 @@ from transformers.generation.streamers import BaseStreamer
 import transformers_specblock
 from conftest import make_drafter, make_target
 from transformers_specblock import CUSTOM_GENERATE_DIR, SpecBlockConfig, SpecBlockDraftModel, SpecBlockStats
-from transformers_specblock import generation as specblock_generation
+from transformers_specblock.generation import integration as specblock_generation
 
 VOCAB = 128
 PROMPT = torch.tensor([[0, 5, 17, 33, 2, 9]])
@@ -553,7 +553,7 @@ def test_mistral_target_short_prompt():
 
 
 def test_model_card_evaluation_table_has_a_fixed_column_order():
-    from transformers_specblock.modelcard import build_model_card
+    from transformers_specblock.hub.modelcard import build_model_card
 
     drafter = make_drafter(make_target("llama"))
     drafter.config.eval_results = [

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from transformers_specblock import assets
-from transformers_specblock.assets import (
+from transformers_specblock.hub import assets
+from transformers_specblock.hub.assets import (
     PACKAGED_MODELS,
     PackagedModel,
     _assemble,

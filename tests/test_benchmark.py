@@ -12,7 +12,7 @@ import torch
 from conftest import make_drafter, make_target
 from test_greedy_exactness import letter_tokenizer
 from transformers_specblock import Eagle3DraftModel
-from transformers_specblock.benchmark import Method, markdown_tables, run_benchmark, write_report
+from transformers_specblock.commands.benchmark import Method, markdown_tables, run_benchmark, write_report
 
 VOCAB = 24
 
@@ -93,7 +93,7 @@ def test_resume_skips_finished_prompts(tmp_path, monkeypatch):
 
 
 def test_cli_methods_take_a_tree_budget_and_auto_is_measured_in_warm_up(tmp_path):
-    from transformers_specblock.cli import BenchArguments, build_methods
+    from transformers_specblock.commands.cli import BenchArguments, build_methods
 
     target, tokenizer, prompts, _, specblock = tiny_setup()
     specblock.save_pretrained(tmp_path / "drafter")
@@ -121,7 +121,7 @@ def test_cli_methods_take_a_tree_budget_and_auto_is_measured_in_warm_up(tmp_path
 
 
 def test_prompts_are_spread_over_categories():
-    from transformers_specblock.cli import spread_over_categories
+    from transformers_specblock.commands.cli import spread_over_categories
 
     rows = [{"id": str(i), "category": c, "prompt": "x"} for i, c in enumerate("aaabbbccc")]
     picked = spread_over_categories(datasets.Dataset.from_list(rows), 4)

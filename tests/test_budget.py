@@ -8,8 +8,10 @@ import pytest
 import torch
 
 from conftest import make_drafter, make_target
-from transformers_specblock.budget import AutoBudget, TargetCost, best_budget, check_tree_budget
-from transformers_specblock.tree import DraftTree
+from transformers_specblock.generation import CANDIDATE_GENERATOR_MAPPING
+from transformers_specblock.generation.budget import AutoBudget, TargetCost, auto_budget_for, best_budget
+from transformers_specblock.generation.tree import DraftTree
+from transformers_specblock.models.tree_drafter.configuration_tree_drafter import check_tree_budget
 
 
 def test_best_budget_on_synthetic_cpu_and_gpu_curves():
@@ -164,7 +166,7 @@ def test_auto_budget_zero_stops_drafting_and_stays_exact():
     )  # fmt: skip
     prompt = torch.randint(1, 24, (1, 6), generator=torch.Generator().manual_seed(2))
     reference = target.generate(prompt, max_new_tokens=24, do_sample=False)
-    drafter.auto_budget(target).cost = TargetCost([0, 4], [0.01, 10.0])  # verifying a tree is prohibitively slow
+    auto_budget_for(drafter, target).cost = TargetCost([0, 4], [0.01, 10.0])  # verifying a tree is prohibitively slow
     out = target.generate(prompt, assistant_model=drafter, max_new_tokens=24, do_sample=False)
     assert out.tolist() == reference.tolist()
     stats = drafter.last_stats
@@ -187,7 +189,7 @@ def test_auto_budget_zero_comes_back_when_acceptance_improves(monkeypatch):
         auto_budget_candidates=[0, vocab], auto_budget_warmup=2, auto_budget_explore_interval=4,
     )  # fmt: skip
     # a tree costs 1.6 plain steps: one guess (tau about 1 + 1/24) does not pay, every token as a guess (tau 2) does
-    drafter.auto_budget(target).cost = TargetCost([0, vocab], [1.0, 1.6])
+    auto_budget_for(drafter, target).cost = TargetCost([0, vocab], [1.0, 1.6])
     prompt = torch.randint(1, vocab, (1, 6), generator=torch.Generator().manual_seed(3))
     reference = target.generate(prompt, max_new_tokens=40, do_sample=False)
     out = target.generate(prompt, assistant_model=drafter, max_new_tokens=40, do_sample=False)
@@ -197,10 +199,10 @@ def test_auto_budget_zero_comes_back_when_acceptance_improves(monkeypatch):
     assert all(n > 0 for n in nodes[5::4])  # but explores every 4th step
     # record what the drafter reads: every committed position once, in order, at its rotary position
     reads = []
-    make_generator = drafter.candidate_generator
+    make_generator = CANDIDATE_GENERATOR_MAPPING["specblock"]
 
-    def recording_generator(**overrides):
-        generator = make_generator(**overrides)
+    def recording_generator(drafter, **overrides):
+        generator = make_generator(drafter, **overrides)
         observe = generator.observe
 
         def recording_observe(features, tokens, first_position):
@@ -211,7 +213,7 @@ def test_auto_budget_zero_comes_back_when_acceptance_improves(monkeypatch):
         generator.observe = recording_observe
         return generator
 
-    monkeypatch.setattr(drafter, "candidate_generator", recording_generator)
+    monkeypatch.setitem(CANDIDATE_GENERATOR_MAPPING, "specblock", recording_generator)
     # the drafter improves (here: it proposes every token at depth 1, so one token is always accepted)
     with drafter.tree_settings(fixed_width=vocab):
         out = target.generate(prompt, assistant_model=drafter, max_new_tokens=80, do_sample=False)

@@ -14,10 +14,9 @@ from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 
 import test_sampling_lossless as lossless
 from conftest import make_target
-from transformers_specblock.configuration_eagle3 import Eagle3Config
-from transformers_specblock.drafting_eagle3 import Eagle3CandidateGenerator
-from transformers_specblock.modeling_eagle3 import Eagle3DraftModel
-from transformers_specblock.modeling_tree_drafter import training_stat_names
+from transformers_specblock.generation import get_candidate_generator
+from transformers_specblock.models.eagle3 import Eagle3Config, Eagle3DraftModel
+from transformers_specblock.models.tree_drafter.modeling_tree_drafter import training_stat_names
 
 SMALL_VOCAB = 24
 
@@ -190,9 +189,9 @@ def test_eager_target_and_generator_overrides():
     prompt = torch.randint(1, SMALL_VOCAB, (1, 7), generator=torch.Generator().manual_seed(1))
     reference = target.generate(prompt, do_sample=False, max_new_tokens=30)
     assert target.generate(prompt, assistant_model=d, do_sample=False, max_new_tokens=30).tolist() == reference.tolist()
-    generator = d.candidate_generator(top_k=2, depth=5, tree_budget=7)
+    generator = get_candidate_generator(d, top_k=2, depth=5, tree_budget=7)
     assert (generator.top_k, generator.depth, generator.tree_budget) == (2, 5, 7)
-    assert d.candidate_generator(top_k=10**6).top_k == SMALL_VOCAB  # clamped to the draft vocabulary
+    assert get_candidate_generator(d, top_k=10**6).top_k == SMALL_VOCAB  # clamped to the draft vocabulary
 
 
 @pytest.fixture(scope="module")
@@ -218,7 +217,7 @@ def _observed_generator(top_k, depth, budget, seed=0):
     target = make_target("llama", vocab_size=SMALL_VOCAB, seed=seed)
     d = make_eagle3(target, seed=seed, tree_top_k=top_k, tree_depth=depth, tree_budget=budget)
     d.bind_target(target)
-    generator = d.candidate_generator()
+    generator = get_candidate_generator(d)
     g = torch.Generator().manual_seed(seed)
     features = torch.randn(6, 3 * target.config.hidden_size, generator=g)
     tokens = torch.randint(0, SMALL_VOCAB, (6,), generator=g)

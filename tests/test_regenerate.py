@@ -6,8 +6,8 @@ import json
 
 from conftest import make_target
 from test_greedy_exactness import letter_tokenizer
-from transformers_specblock.assets import load_sharegpt_conversations
-from transformers_specblock.regenerate import RegenerateArguments, regenerate
+from transformers_specblock.hub.assets import load_sharegpt_conversations
+from transformers_specblock.commands.regenerate import RegenerateArguments, regenerate
 
 
 def test_regenerate_writes_answers_and_resumes(tmp_path):

@@ -15,10 +15,10 @@ import torch
 from scipy.stats import chisquare
 from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-import transformers_specblock.generation as generation
+import transformers_specblock.generation.decoding as generation
 from conftest import make_drafter, make_target
-from transformers_specblock.tree import DraftTree
-from transformers_specblock.verification import sample_accept
+from transformers_specblock.generation.acceptance import sample_accept
+from transformers_specblock.generation.tree import DraftTree
 
 ALPHA = 1e-3
 VOCAB = 8

@@ -21,7 +21,7 @@ from transformers import PreTrainedTokenizerFast
 
 from conftest import make_target
 from transformers_specblock import SpecBlockConfig, SpecBlockDraftModel
-from transformers_specblock.cli import train_main
+from transformers_specblock.commands.cli import train_main
 from transformers_specblock.training import (
     SpecBlockDataCollator,
     SpecBlockDraftModelForTraining,

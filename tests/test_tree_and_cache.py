@@ -9,8 +9,11 @@ from hypothesis import strategies as st
 from transformers import DynamicCache
 
 from conftest import make_drafter, make_target
-from transformers_specblock.tree import DraftTree, block_causal_mask, followup_block_mask, tree_verification_mask
-from transformers_specblock.verification import compact_cache, greedy_accept
+from transformers_specblock.generation import get_candidate_generator
+from transformers_specblock.generation.acceptance import greedy_accept
+from transformers_specblock.generation.cache_utils import compact_cache
+from transformers_specblock.generation.tree import DraftTree, tree_verification_mask
+from transformers_specblock.models.specblock.modeling_specblock import block_causal_mask, followup_block_mask
 
 
 @st.composite
@@ -164,10 +167,10 @@ def test_prompt_read_in_chunks_equals_one_forward():
     torch.manual_seed(3)
     features = torch.randn(11, 3 * drafter.config.target_hidden_size)
     tokens = torch.randint(1, 24, (11,))
-    whole = drafter.candidate_generator()
+    whole = get_candidate_generator(drafter)
     whole.observe(features, tokens, first_position=1)
     with drafter.tree_settings(prefill_chunk_size=3):
-        chunked = drafter.candidate_generator()
+        chunked = get_candidate_generator(drafter)
         chunked.observe(features, tokens, first_position=1)
     assert chunked.stats.drafter_forwards == 4 and whole.stats.drafter_forwards == 1
     assert chunked.committed_entries == whole.committed_entries == 11 * drafter.config.block_size
@@ -216,7 +219,7 @@ def test_prune_keeps_ancestors_under_adversarial_scores(tree, budget):
 
 
 def _round_from_log_probs(generator, tree, log_probs: torch.Tensor, start_nodes: torch.Tensor):
-    from transformers_specblock.drafting import _Round
+    from transformers_specblock.generation.candidate_generators.specblock import _Round
 
     blocks, k_slots, _ = log_probs.shape
     return _Round(
@@ -236,7 +239,7 @@ def test_specblock_block_scores_never_exceed_their_parent(slot_log_probs, start_
     """A follow-up block started below score 0 whose slots are (nearly) certain: the chain's scores must still be
     monotone, so pruning to any budget keeps every kept node's ancestors."""
     target = make_target("llama", vocab_size=24, seed=1)
-    generator = make_drafter(target, block_size=4).candidate_generator()
+    generator = get_candidate_generator(make_drafter(target, block_size=4))
     tree = DraftTree.root_only(0)
     tree.add_nodes(torch.tensor([3]), torch.tensor([0]), torch.tensor([1]), torch.tensor([start_score]))
     # greedy token 0 takes the slot's adversarial log-prob; the runner-up token 1 gets the rest

@@ -1,31 +1,46 @@
 """SpecBlock: block-iterative tree speculative decoding inside Hugging Face transformers' `generate`.
 
-Importing the package registers `SpecBlockConfig` / `SpecBlockDraftModel` with the Auto classes and routes
-`generate(assistant_model=<SpecBlockDraftModel>)` to the tree decoding loop. Every other assistant, and no assistant,
-keeps transformers' stock behaviour.
+Importing the package registers the drafter configs / models with the Auto classes and routes
+`generate(assistant_model=<TreeDraftModel>)` (a SpecBlock or EAGLE-3 drafter) to the tree decoding loop. Every other
+assistant, and no assistant, keeps transformers' stock behaviour; `uninstall()` restores the stock methods.
+
+Layout (imports flow one way): `utils` <- `hub` <- `models` <- `generation` <- `training` <- `commands`.
 """
 
 import os
 
 from transformers import AutoConfig, AutoModel
 
-from .assets import load_packaged_model, load_prompts
-from .configuration_eagle3 import Eagle3Config
-from .configuration_specblock import SpecBlockConfig
-from .drafting_eagle3 import Eagle3CandidateGenerator
-from .drafting import SpecBlockCandidateGenerator
-from .generation import SpecBlockStats, generate, install, tree_speculative_decoding, uninstall
-from .modeling_eagle3 import Eagle3DraftModel, Eagle3Output
-from .modeling_specblock import SpecBlockDraftModel, SpecBlockOutput
-from .modeling_tree_drafter import TreeDraftModel
-from .tree import DraftTree
-from .verification import TreeLogitsProcessor
+from .generation import (
+    DraftTree,
+    Eagle3CandidateGenerator,
+    SpecBlockCandidateGenerator,
+    SpecBlockStats,
+    TreeLogitsProcessor,
+    generate,
+    get_candidate_generator,
+    install,
+    tree_speculative_decoding,
+    uninstall,
+)
+from .hub import load_packaged_model, load_prompts
+from .models import (
+    Eagle3Config,
+    Eagle3DraftModel,
+    Eagle3Output,
+    SpecBlockConfig,
+    SpecBlockDraftModel,
+    SpecBlockOutput,
+    TreeDrafterConfig,
+    TreeDraftModel,
+)
 
 CUSTOM_GENERATE_DIR = os.path.dirname(os.path.abspath(__file__))
 """Folder to pass as `generate(custom_generate=...)` (it holds `custom_generate/generate.py`)."""
 
-AutoConfig.register(SpecBlockConfig.model_type, SpecBlockConfig, exist_ok=True)
-AutoModel.register(SpecBlockConfig, SpecBlockDraftModel, exist_ok=True)
+for _config, _model in ((SpecBlockConfig, SpecBlockDraftModel), (Eagle3Config, Eagle3DraftModel)):
+    AutoConfig.register(_config.model_type, _config, exist_ok=True)
+    AutoModel.register(_config, _model, exist_ok=True)
 install()
 
 __all__ = [
@@ -41,8 +56,10 @@ __all__ = [
     "SpecBlockOutput",
     "SpecBlockStats",
     "TreeDraftModel",
+    "TreeDrafterConfig",
     "TreeLogitsProcessor",
     "generate",
+    "get_candidate_generator",
     "install",
     "load_packaged_model",
     "load_prompts",

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import TrainingArguments
 
-from ..assets import PACKAGED_MODELS
+from ..hub.assets import PACKAGED_MODELS
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ..modeling_tree_drafter import training_stat_names
+from ..models.tree_drafter.modeling_tree_drafter import training_stat_names
 
 
 def soft_cross_entropy(draft_logits: torch.Tensor, target_probs: torch.Tensor) -> torch.Tensor:

@@ -36,9 +36,8 @@ import torch
 from transformers import DynamicCache
 from transformers.utils import ModelOutput
 
-from ..configuration_specblock import SpecBlockConfig
-from ..modeling_specblock import SpecBlockDraftModel
-from ..tree import block_causal_mask
+from ..models.specblock.configuration_specblock import SpecBlockConfig
+from ..models.specblock.modeling_specblock import SpecBlockDraftModel, block_causal_mask
 from .arguments import SpecBlockLossConfig
 from .losses import _all_reduce, block_terms, followup_training_mask, rank_head_loss
 

@@ -13,11 +13,11 @@ import torch
 from transformers import PreTrainedModel
 from transformers.utils import logging
 
-from ..assets import PACKAGED_MODELS, load_packaged_model
-from ..configuration_eagle3 import Eagle3Config
-from ..configuration_specblock import SpecBlockConfig
-from ..modeling_eagle3 import Eagle3DraftModel
-from ..modeling_specblock import SpecBlockDraftModel
+from ..hub.assets import PACKAGED_MODELS, load_packaged_model
+from ..models.eagle3.configuration_eagle3 import Eagle3Config
+from ..models.eagle3.modeling_eagle3 import Eagle3DraftModel
+from ..models.specblock.configuration_specblock import SpecBlockConfig
+from ..models.specblock.modeling_specblock import SpecBlockDraftModel
 from .arguments import (
     _DTYPES,
     DataArguments,

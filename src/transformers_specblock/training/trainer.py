@@ -9,7 +9,7 @@ import torch
 from transformers import PreTrainedModel, Trainer
 from transformers.trainer_utils import EvalLoopOutput
 
-from ..modeling_specblock import SpecBlockDraftModel
+from ..models.specblock.modeling_specblock import SpecBlockDraftModel
 from .features import _target_head, draft_target_logits, target_argmax, target_features
 from .losses import _all_reduce, stats_to_metrics
 

@@ -8,7 +8,7 @@ from collections.abc import Iterable, Sequence
 import torch
 from transformers import PreTrainedModel
 
-from ..modeling_specblock import SpecBlockDraftModel
+from ..models.specblock.modeling_specblock import SpecBlockDraftModel
 from .features import _target_head
 
 

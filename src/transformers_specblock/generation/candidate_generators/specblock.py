@@ -1,31 +1,17 @@
-"""Drafting: the SpecBlock candidate generator grows a token tree block by block."""
+"""Draft: the SpecBlock candidate generator grows a token tree block by block."""
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 import torch
 from transformers import DynamicCache
-from transformers.generation.candidate_generator import CandidateGenerator
 
-from .budget import AUTO, DEFAULT_CANDIDATES
-from .tree import DraftTree, block_causal_mask, followup_block_mask
-from .verification import truncate_cache
-
-if TYPE_CHECKING:
-    from .modeling_specblock import SpecBlockDraftModel
-    from .modeling_tree_drafter import TreeDraftModel
-
-
-@dataclass
-class DraftingStats:
-    """Drafter-side counters of one `generate` call."""
-
-    drafter_forwards: int = 0
-    drafter_time_s: float = 0.0
-    blocks_per_iteration: list[int] = field(default_factory=list)
+from ...models.specblock.modeling_specblock import SpecBlockDraftModel, block_causal_mask, followup_block_mask
+from ..cache_utils import truncate_cache
+from ..tree import DraftTree
+from .base import TreeCandidateGenerator
 
 
 @dataclass
@@ -41,56 +27,6 @@ class _Round:
     start_nodes: torch.LongTensor  # [B]
 
 
-def sync(device: torch.device) -> None:
-    """Wait for queued device work so wall-clock timings are honest."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-class TreeCandidateGenerator(CandidateGenerator):
-    """Drafts token trees for the target to verify, keeping its own drafter KV cache across iterations.
-
-    The loop calls `observe` with the target features of newly committed positions, then `draft_tree` from the
-    last committed token. Subclasses implement both; drafter time and forwards are counted in `stats`.
-    """
-
-    requires_model_outputs = True
-
-    def __init__(self, drafter: "TreeDraftModel", tree_budget: int | None = None) -> None:
-        self.drafter = drafter
-        budget = tree_budget if tree_budget is not None else drafter.config.tree_budget
-        if budget == AUTO:  # the loop sets the budget every iteration; start from the largest candidate
-            budget = max(getattr(drafter.config, "auto_budget_candidates", DEFAULT_CANDIDATES))
-        self.tree_budget = budget
-        self.stats = DraftingStats()
-        self.tree: DraftTree | None = None
-
-    def observe(self, target_features: torch.Tensor, next_tokens: torch.LongTensor, first_position: int) -> None:
-        """Feed newly committed positions i (target features f_i [P, 3H], tokens x_{i+1} [P]); `first_position`
-        is the rotary position of next_tokens[0]."""
-        raise NotImplementedError
-
-    def draft_tree(self, root_token: int) -> DraftTree:
-        """A tree rooted at the last committed token, pruned to `tree_budget` drafted nodes."""
-        raise NotImplementedError
-
-    def get_candidates(self, input_ids: torch.LongTensor, **kwargs) -> tuple[torch.LongTensor, None]:
-        """`CandidateGenerator` API: the drafted tree's tokens in topological order after `input_ids`.
-
-        The tree structure the verifier needs is kept in `self.tree`.
-        """
-        self.tree = self.draft_tree(int(input_ids[0, -1]))
-        return torch.cat([input_ids, self.tree.tokens[1:][None].to(input_ids.device)], dim=1), None
-
-    def update_candidate_strategy(self, input_ids: torch.LongTensor, scores: torch.Tensor, num_matches: int) -> None:
-        """Tree shapes adapt inside `draft_tree`; nothing to update between iterations."""
-
-    def _account(self, start: float, forwards: int = 1) -> None:
-        sync(self.drafter.device)
-        self.stats.drafter_forwards += forwards
-        self.stats.drafter_time_s += time.perf_counter() - start
-
-
 class SpecBlockCandidateGenerator(TreeCandidateGenerator):
     """Drafts a SpecBlock token tree for the target to verify.
 
@@ -102,7 +38,7 @@ class SpecBlockCandidateGenerator(TreeCandidateGenerator):
 
     def __init__(
         self,
-        drafter: "SpecBlockDraftModel",
+        drafter: SpecBlockDraftModel,
         tree_budget: int | None = None,
         max_blocks: int | None = None,
         tree_policy: str | None = None,

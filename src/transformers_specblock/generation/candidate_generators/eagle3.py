@@ -1,19 +1,16 @@
-"""Drafting with an EAGLE-3 drafter: the dynamic top-k token tree of EAGLE-2 / EAGLE-3."""
+"""Draft with an EAGLE-3 drafter: the dynamic top-k token tree of EAGLE-2 / EAGLE-3."""
 
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
 
 import torch
 from transformers import DynamicCache
 
-from .drafting import TreeCandidateGenerator
-from .tree import DraftTree
-from .verification import truncate_cache
-
-if TYPE_CHECKING:
-    from .modeling_eagle3 import Eagle3DraftModel
+from ...models.eagle3.modeling_eagle3 import Eagle3DraftModel
+from ..cache_utils import truncate_cache
+from ..tree import DraftTree
+from .base import TreeCandidateGenerator
 
 
 class Eagle3CandidateGenerator(TreeCandidateGenerator):
@@ -40,7 +37,7 @@ class Eagle3CandidateGenerator(TreeCandidateGenerator):
 
     def __init__(
         self,
-        drafter: "Eagle3DraftModel",
+        drafter: Eagle3DraftModel,
         tree_budget: int | None = None,
         top_k: int | None = None,
         depth: int | None = None,

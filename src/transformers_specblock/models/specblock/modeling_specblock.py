@@ -12,12 +12,39 @@ from transformers.cache_utils import Cache
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm, LlamaRotaryEmbedding
 from transformers.utils import ModelOutput
 
+from ...utils import additive_mask
+from ..tree_drafter.modeling_tree_drafter import TreeDraftModel
 from .configuration_specblock import SpecBlockConfig
-from .drafting import SpecBlockCandidateGenerator
-from .modeling_tree_drafter import TreeDraftModel
-from .tree import additive_mask, block_causal_mask
 
 NUM_RANK_FEATURES = 15
+
+
+def block_causal_mask(num_positions: int, block_size: int, past_length: int, device: torch.device) -> torch.BoolTensor:
+    """[P*K, past+P*K] visibility for feeding P new positions of K slots each to the drafter.
+
+    Slot k of position p sees every cached entry, all K slots of earlier new positions and slots 0..k of its own.
+    """
+    pos = torch.arange(num_positions, device=device).repeat_interleave(block_size)
+    slot = torch.arange(block_size, device=device).repeat(num_positions)
+    new = (pos[None, :] < pos[:, None]) | ((pos[None, :] == pos[:, None]) & (slot[None, :] <= slot[:, None]))
+    past = torch.ones(num_positions * block_size, past_length, dtype=torch.bool, device=device)
+    return torch.cat([past, new], dim=1)
+
+
+def followup_block_mask(
+    inherited: torch.BoolTensor, block_size: int, prefix_length: int
+) -> torch.BoolTensor:
+    """[B*K, prefix + T + B*K] visibility for B follow-up blocks drafted in one batch.
+
+    inherited: [B, T] which of the T drafting-time cache entries (block 1's and earlier rounds' slots) each block
+    sees. Every block also sees the committed prefix and slots 0..k of itself, never another new block.
+    """
+    num_blocks, device = inherited.shape[0], inherited.device
+    rows = inherited.repeat_interleave(block_size, dim=0)
+    prefix = torch.ones(rows.shape[0], prefix_length, dtype=torch.bool, device=device)
+    own = block_causal_mask(num_blocks, block_size, 0, device)
+    same_block = torch.block_diag(*[torch.ones(block_size, block_size, dtype=torch.bool, device=device)] * num_blocks)
+    return torch.cat([prefix, rows, own & same_block], dim=1)
 
 
 @dataclass
@@ -67,8 +94,6 @@ class SpecBlockPreTrainedModel(TreeDraftModel):
             hidden = self.config.hidden_size
             for shift in module.layer_shifts:  # start as "keep h_k": identity on the own-slot half
                 init.copy_(shift.weight, torch.cat([torch.eye(hidden), torch.zeros(hidden, hidden)], dim=1))
-            init.copy_(module.d2t, torch.arange(self.config.draft_vocab_size))
-            init.copy_(module.t2d, torch.arange(self.config.vocab_size) < self.config.draft_vocab_size)
 
 
 class SpecBlockDraftModel(SpecBlockPreTrainedModel):
@@ -104,14 +129,7 @@ class SpecBlockDraftModel(SpecBlockPreTrainedModel):
             nn.SiLU(),
             nn.Linear(config.rank_head_hidden_size, config.num_rank_classes),
         )
-        # draft id -> target id, and which target ids the draft vocabulary holds
-        self.register_buffer("d2t", torch.arange(config.draft_vocab_size), persistent=True)
-        self.register_buffer("t2d", torch.arange(config.vocab_size) < config.draft_vocab_size, persistent=True)
         self.post_init()
-
-    def candidate_generator(self, **overrides) -> SpecBlockCandidateGenerator:
-        """A SpecBlock candidate generator for one `generate` call (overrides: tree_budget, max_blocks, ...)."""
-        return SpecBlockCandidateGenerator(self, **overrides)
 
     # ----------------------------------------------------------------------------------------------------------
     # Drafting

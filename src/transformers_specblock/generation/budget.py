@@ -23,20 +23,14 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
+from ..models.tree_drafter.configuration_tree_drafter import DEFAULT_EXPLORE_INTERVAL
+from ..models.tree_drafter.modeling_tree_drafter import TreeDraftModel
+from ..utils import sync
+from .cache_utils import truncate_cache
 from .tree import DraftTree, tree_verification_mask
-from .verification import truncate_cache
 
-AUTO = "auto"
-DEFAULT_CANDIDATES = (0, 2, 4, 8, 16, 24, 32, 48, 64)
-DEFAULT_EXPLORE_INTERVAL = 32  # verified steps between two trees drafted above the chosen budget
 DEFAULT_WINDOW = 64  # verified steps: the estimates are means over the samples of the last `window` steps
 DEFAULT_KEEP = 4  # ... and over at least the last `keep` samples of each candidate
-
-
-def check_tree_budget(value: int | str) -> None:
-    """A tree budget is a positive int or "auto"."""
-    if value != AUTO and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-        raise ValueError(f'tree_budget must be a positive int or "auto", got {value!r}.')
 
 
 _COST_CACHE: "weakref.WeakKeyDictionary[PreTrainedModel, dict[str, TargetCost]]" = weakref.WeakKeyDictionary()
@@ -85,13 +79,13 @@ def measure_target_cost(
         mask = tree_verification_mask(tree, torch.ones(context_length, dtype=torch.bool), target.dtype)
         best = float("inf")
         for _ in range(repeats + 1):  # the first call warms up kernels and allocator
-            _sync(target.device)
+            sync(target.device)
             start = time.perf_counter()
             target(
                 tree.tokens[None], attention_mask=mask.to(target.device), past_key_values=cache, use_cache=True,
                 position_ids=(context_length + tree.depths)[None],
             )  # fmt: skip
-            _sync(target.device)
+            sync(target.device)
             best = min(best, time.perf_counter() - start)
             truncate_cache(cache, context_length)  # back to the context for the next timing
         seconds.append(best)
@@ -99,11 +93,6 @@ def measure_target_cost(
     seconds = [min(seconds[i:]) for i in range(len(seconds))]
     per_model[key] = TargetCost(sorted(sizes), seconds)
     return per_model[key]
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def best_budget(tau: dict[int, float], cost: TargetCost, drafting_seconds: float) -> int:
@@ -226,3 +215,16 @@ class AutoBudget:
         self.explorations += 1
         up = (self.explorations & -self.explorations).bit_length()  # 1, 2, 1, 3, 1, 2, 1, 4, ...
         return self.ladder[min(index + up, len(self.ladder) - 1)]
+
+
+def auto_budget_for(drafter: TreeDraftModel, target: PreTrainedModel) -> AutoBudget:
+    """The `tree_budget="auto"` chooser of `drafter` for `target`, kept on the drafter: the target's cost curve is
+    measured once per model and device, and what it learns about acceptance carries over between `generate` calls."""
+    config = drafter.config
+    candidates = list(config.auto_budget_candidates)
+    key = (id(target), str(target.device), tuple(candidates))
+    chooser = drafter.__dict__.get("_auto_budget")
+    if chooser is None or drafter.__dict__.get("_auto_budget_key") != key:
+        chooser = AutoBudget(candidates, measure_target_cost(target, candidates), warmup=config.auto_budget_warmup)
+        drafter.__dict__.update(_auto_budget=chooser, _auto_budget_key=key)
+    return chooser

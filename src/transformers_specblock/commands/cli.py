@@ -17,12 +17,12 @@ from pathlib import Path
 import datasets
 from transformers import AutoModel, HfArgumentParser
 
-from .assets import load_packaged_model, load_prompts
+from ..hub.assets import load_packaged_model, load_prompts
 from .benchmark import REFERENCE, Method, run_benchmark, write_report
-from .modeling_tree_drafter import TreeDraftModel
-from .training import DataArguments, ModelArguments, SpecBlockTrainingArguments, run_training
+from ..models.tree_drafter.modeling_tree_drafter import TreeDraftModel
+from ..training import DataArguments, ModelArguments, SpecBlockTrainingArguments, run_training
 
-SHIPPED_MODELS_DIR = Path(__file__).resolve().parents[2] / "models"
+SHIPPED_MODELS_DIR = Path(__file__).resolve().parents[3] / "models"
 
 
 def parse_train_args(

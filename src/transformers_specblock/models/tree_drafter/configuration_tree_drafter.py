@@ -1,4 +1,9 @@
-"""SpecBlock drafter configuration."""
+"""Configuration shared by the feature-level tree drafters (SpecBlock, EAGLE-3).
+
+`TreeDrafterConfig` holds what every drafter of a frozen target needs: the target it reads (vocabulary, sizes, the
+three feature layers), the Llama-style decoder settings of its own layers, the draft vocabulary and the tree budget
+(a fixed size or "auto"). Each drafter's config adds its own tree shape and training settings.
+"""
 
 from __future__ import annotations
 
@@ -6,10 +11,17 @@ from typing import Any
 
 from transformers import PretrainedConfig
 
-from .budget import AUTO, DEFAULT_CANDIDATES, DEFAULT_EXPLORE_INTERVAL, check_tree_budget
-
-# Target families whose decoder stack and hidden-state layout the drafter understands.
+AUTO = "auto"
+DEFAULT_CANDIDATES = (0, 2, 4, 8, 16, 24, 32, 48, 64)
+DEFAULT_EXPLORE_INTERVAL = 32  # verified steps between two trees drafted above the chosen budget
+# Target families whose decoder stack and hidden-state layout the drafters understand.
 SUPPORTED_TARGET_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "gemma3")
+
+
+def check_tree_budget(value: int | str) -> None:
+    """A tree budget is a positive int or "auto"."""
+    if value != AUTO and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+        raise ValueError(f'tree_budget must be a positive int or "auto", got {value!r}.')
 
 
 def default_target_layer_ids(num_target_layers: int) -> list[int]:
@@ -18,51 +30,36 @@ def default_target_layer_ids(num_target_layers: int) -> list[int]:
     The ids index the target's `hidden_states` tuple (index 0 is the embedding output, i.e. the input of layer 0).
     """
     if num_target_layers < 4:
-        raise ValueError(f"A SpecBlock drafter needs a target with at least 4 layers, got {num_target_layers}.")
+        raise ValueError(f"A feature-level drafter needs a target with at least 4 layers, got {num_target_layers}.")
     return [2, num_target_layers // 2, num_target_layers - 3]
 
 
-class SpecBlockConfig(PretrainedConfig):
-    r"""Configuration of a [`SpecBlockDraftModel`].
-
-    A SpecBlock drafter reads three hidden states of a frozen target model and, per drafter forward, proposes a block
-    of `block_size` mutually dependent future tokens. Blocks are chained into a token tree (`max_blocks` rounds) that
-    the target verifies in one forward of at most `tree_budget` nodes.
+class TreeDrafterConfig(PretrainedConfig):
+    r"""Settings every tree drafter of a frozen target shares (subclassed by each drafter's config).
 
     Args:
         vocab_size: Target vocabulary size (the drafter reads the target's input embedding).
         hidden_size: Drafter hidden size (defaults to the target's).
         target_hidden_size: Target hidden size.
         target_num_hidden_layers: Number of decoder layers of the target.
-        target_layer_ids: Indices into the target's `hidden_states` tuple used as low/middle/high features.
+        target_layer_ids: Indices into the target's `hidden_states` tuple used as low/middle/high features
+            (default: the inputs of layers 2, L//2 and L-3, as EAGLE-3).
         target_model_type: `model_type` of the target the drafter was built for.
         num_hidden_layers / num_attention_heads / num_key_value_heads / head_dim / intermediate_size / hidden_act /
         rms_norm_eps / rope_parameters / max_position_embeddings / attention_bias / attention_dropout / mlp_bias:
             Llama-style decoder settings of the drafter.
-        block_size: K, the number of slots (future tokens) one drafter forward proposes per position.
         draft_vocab_size: Size of the reduced draft vocabulary (`None` = the full target vocabulary).
-        rank_bucket_upper_bounds: Upper rank bound of every rank-head class but the last; the default (1, 4, 10) gives
-            the classes rank 1 / 2-4 / 5-10 / >10.
-        branch_widths: Candidates drafted at a slot (greedy token included) per predicted rank class; 0 ends the
-            branch at that slot.
-        tree_policy: "rank" (rank-guided widths) or "fixed" (`fixed_width` candidates at every slot; an ablation).
-        fixed_width: Candidates per slot when `tree_policy="fixed"`.
-        max_blocks: Block rounds per iteration (1 = block 1 only).
-        max_followups: Follow-up blocks drafted per round at most (all in one batched drafter forward).
-        prefill_chunk_size: Prompt positions the drafter reads per forward (it keeps K entries per position, so a
-            long prompt in one forward would need a (P*K)^2 mask); the result does not depend on it.
         tree_budget: Nodes the target verifies per iteration at most (the root not counted), or "auto": time the
             target once per model and device and pick, among `auto_budget_candidates`, the budget maximising
             tau / (T_M + T_D), with tau learnt from the verified trees (the first `auto_budget_warmup` ones at the
             largest candidate, then over a window of recent steps). A candidate 0 means "do not speculate" and wins
-            where no tree pays for itself (a weak drafter on a slow device). Default "auto".
+            where no tree pays for itself (a weak drafter on a slow device).
         auto_budget_explore_interval: With tree_budget="auto", every this many verified steps one tree is drafted
             above the chosen budget (also when the choice is 0), so larger budgets keep being measured and the
-            choice follows a drafter or device that changes. Default 32.
-        rank_head_hidden_size: Hidden width of the rank head MLP.
+            choice can move up again.
     """
 
-    model_type = "specblock"
+    drafter_name = "tree"
 
     def __init__(
         self,
@@ -72,7 +69,7 @@ class SpecBlockConfig(PretrainedConfig):
         target_num_hidden_layers: int = 32,
         target_layer_ids: list[int] | None = None,
         target_model_type: str | None = None,
-        num_hidden_layers: int = 2,
+        num_hidden_layers: int = 1,
         num_attention_heads: int = 32,
         num_key_value_heads: int = 8,
         head_dim: int | None = None,
@@ -85,20 +82,11 @@ class SpecBlockConfig(PretrainedConfig):
         attention_dropout: float = 0.0,
         mlp_bias: bool = False,
         initializer_range: float = 0.02,
-        block_size: int = 4,
         draft_vocab_size: int | None = None,
-        rank_bucket_upper_bounds: list[int] | tuple[int, ...] = (1, 4, 10),
-        branch_widths: list[int] | tuple[int, ...] = (2, 4, 6, 0),
-        tree_policy: str = "rank",
-        fixed_width: int = 3,
-        max_blocks: int = 2,
-        max_followups: int = 4,
-        prefill_chunk_size: int = 256,
         tree_budget: int | str = AUTO,
         auto_budget_candidates: list[int] | tuple[int, ...] = DEFAULT_CANDIDATES,
         auto_budget_warmup: int = 8,
         auto_budget_explore_interval: int = DEFAULT_EXPLORE_INTERVAL,
-        rank_head_hidden_size: int = 256,
         **kwargs: Any,
     ) -> None:
         kwargs.setdefault("tie_word_embeddings", False)
@@ -123,33 +111,18 @@ class SpecBlockConfig(PretrainedConfig):
         self.attention_dropout = attention_dropout
         self.mlp_bias = mlp_bias
         self.initializer_range = initializer_range
-        self.block_size = block_size
         self.draft_vocab_size = draft_vocab_size if draft_vocab_size is not None else vocab_size
-        self.rank_bucket_upper_bounds = list(rank_bucket_upper_bounds)
-        self.branch_widths = list(branch_widths)
-        self.tree_policy = tree_policy
-        self.fixed_width = fixed_width
-        self.max_blocks = max_blocks
-        self.max_followups = max_followups
-        self.prefill_chunk_size = prefill_chunk_size
         self.tree_budget = tree_budget
         self.auto_budget_candidates = list(auto_budget_candidates)
         self.auto_budget_warmup = auto_budget_warmup
         self.auto_budget_explore_interval = auto_budget_explore_interval
-        self.rank_head_hidden_size = rank_head_hidden_size
         super().__init__(**kwargs)
         self.validate_settings()
 
-    @property
-    def num_rank_classes(self) -> int:
-        return len(self.rank_bucket_upper_bounds) + 1
-
     def validate_settings(self) -> None:
-        """Raise a ValueError naming the first inconsistent setting."""
-        if self.block_size < 1:
-            raise ValueError(f"block_size must be >= 1, got {self.block_size}.")
-        if self.max_blocks < 1:
-            raise ValueError(f"max_blocks must be >= 1, got {self.max_blocks}.")
+        """Raise a ValueError naming the first inconsistent shared setting (subclasses check their own after)."""
+        if not 1 <= self.draft_vocab_size <= self.vocab_size:
+            raise ValueError(f"draft_vocab_size must be in [1, vocab_size={self.vocab_size}], got {self.draft_vocab_size}.")
         check_tree_budget(self.tree_budget)
         if not self.auto_budget_candidates or any(
             not isinstance(b, int) or isinstance(b, bool) or b < 0 for b in self.auto_budget_candidates
@@ -161,27 +134,6 @@ class SpecBlockConfig(PretrainedConfig):
         interval = self.auto_budget_explore_interval
         if not isinstance(interval, int) or isinstance(interval, bool) or interval < 1:
             raise ValueError(f"auto_budget_explore_interval must be an int >= 1, got {interval!r}.")
-        if not 1 <= self.draft_vocab_size <= self.vocab_size:
-            raise ValueError(f"draft_vocab_size must be in [1, vocab_size={self.vocab_size}], got {self.draft_vocab_size}.")
-        if len(self.branch_widths) != self.num_rank_classes:
-            raise ValueError(
-                f"branch_widths needs one width per rank class ({self.num_rank_classes}), got {self.branch_widths}."
-            )
-        if any(not 0 <= w <= self.draft_vocab_size for w in self.branch_widths):
-            raise ValueError(
-                f"branch_widths must lie in [0, draft_vocab_size={self.draft_vocab_size}], got {self.branch_widths}."
-            )
-        if not 1 <= self.fixed_width <= self.draft_vocab_size:
-            raise ValueError(f"fixed_width must lie in [1, draft_vocab_size={self.draft_vocab_size}], got {self.fixed_width}.")
-        bounds = self.rank_bucket_upper_bounds
-        if not bounds or bounds[0] < 1 or any(b <= a for a, b in zip(bounds, bounds[1:])):
-            raise ValueError(f"rank_bucket_upper_bounds must be increasing ranks >= 1, got {bounds}.")
-        if self.max_followups < 1:
-            raise ValueError(f"max_followups must be >= 1, got {self.max_followups}.")
-        if self.prefill_chunk_size < 1:
-            raise ValueError(f"prefill_chunk_size must be >= 1, got {self.prefill_chunk_size}.")
-        if self.tree_policy not in ("rank", "fixed"):
-            raise ValueError(f"tree_policy must be 'rank' or 'fixed', got {self.tree_policy!r}.")
         if len(self.target_layer_ids) != 3:
             raise ValueError(f"target_layer_ids must name 3 hidden states, got {self.target_layer_ids}.")
         if max(self.target_layer_ids) > self.target_num_hidden_layers or min(self.target_layer_ids) < 0:
@@ -191,9 +143,10 @@ class SpecBlockConfig(PretrainedConfig):
             )
 
     @classmethod
-    def from_target_config(cls, target_config: PretrainedConfig, **overrides: Any) -> "SpecBlockConfig":
-        """Derive a drafter config for a Llama-, Mistral-, Qwen2/3- or Gemma3-family target config."""
-        return cls(**derive_from_target(target_config, "SpecBlock", overrides))
+    def from_target_config(cls, target_config: PretrainedConfig, **overrides: Any) -> "TreeDrafterConfig":
+        """Derive a drafter config for a Llama-, Mistral-, Qwen2/3- or Gemma3-family target config: the drafter's
+        decoder copies the target's attention / MLP shape; `overrides` win."""
+        return cls(**derive_from_target(target_config, cls.drafter_name, overrides))
 
 
 def derive_from_target(target_config: PretrainedConfig, drafter_name: str, overrides: dict[str, Any]) -> dict[str, Any]:

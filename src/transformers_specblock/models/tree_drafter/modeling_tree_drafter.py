@@ -5,17 +5,15 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 from transformers import PreTrainedModel
+from transformers import initialization as init
 
-from .budget import DEFAULT_CANDIDATES, AutoBudget, measure_target_cost
-from .modelcard import build_model_card
-
-if TYPE_CHECKING:
-    from .drafting import TreeCandidateGenerator
+from ...hub.modelcard import build_model_card
+from .configuration_tree_drafter import TreeDrafterConfig
 
 
 def training_stat_names(num_slots: int) -> list[str]:
@@ -36,9 +34,11 @@ class TreeDraftModel(PreTrainedModel):
 
     Its config names the target it was built for (`vocab_size`, `target_hidden_size`, `target_num_hidden_layers`,
     `target_layer_ids`); its token path reads the TARGET's input embedding, bound with `bind_target` and never saved
-    with the drafter. `generate(assistant_model=<TreeDraftModel>)` runs the tree loop with `candidate_generator()`.
+    with the drafter. `generate(assistant_model=<TreeDraftModel>)` runs the package's tree loop with the candidate
+    generator registered for the config's `model_type` (`generation.candidate_generators`).
     """
 
+    config_class = TreeDrafterConfig
     main_input_name = "input_ids"
     _supports_sdpa = True
     # Only the additive float tree masks of eager / sdpa attention express a token tree.
@@ -49,6 +49,16 @@ class TreeDraftModel(PreTrainedModel):
         super().__init__(config, *args, **kwargs)
         self.__dict__["_target_embedding"] = None  # plain attribute: kept out of state_dict and .to()
         self.last_stats = None
+        # draft id -> target id, and which target ids the draft vocabulary holds (saved with the weights)
+        self.register_buffer("d2t", torch.arange(config.draft_vocab_size), persistent=True)
+        self.register_buffer("t2d", torch.arange(config.vocab_size) < config.draft_vocab_size, persistent=True)
+
+    @torch.no_grad()
+    def _init_weights(self, module: nn.Module) -> None:
+        super()._init_weights(module)
+        if isinstance(module, TreeDraftModel):  # the identity draft vocabulary until training sets one
+            init.copy_(module.d2t, torch.arange(self.config.draft_vocab_size))
+            init.copy_(module.t2d, torch.arange(self.config.vocab_size) < self.config.draft_vocab_size)
 
     @classmethod
     def from_target(cls, target: PreTrainedModel, **overrides: Any) -> "TreeDraftModel":
@@ -109,22 +119,6 @@ class TreeDraftModel(PreTrainedModel):
         finally:
             for name, value in saved.items():
                 setattr(self.config, name, value)
-
-    def auto_budget(self, target: PreTrainedModel) -> AutoBudget:
-        """The `tree_budget="auto"` chooser for `target` (its cost curve is measured once per model and device; what
-        it learns about acceptance carries over between `generate` calls)."""
-        candidates = list(getattr(self.config, "auto_budget_candidates", DEFAULT_CANDIDATES))
-        key = (id(target), str(target.device), tuple(candidates))
-        chooser = self.__dict__.get("_auto_budget")
-        if chooser is None or self.__dict__.get("_auto_budget_key") != key:
-            cost = measure_target_cost(target, candidates)
-            chooser = AutoBudget(candidates, cost, warmup=getattr(self.config, "auto_budget_warmup", 8))
-            self.__dict__.update(_auto_budget=chooser, _auto_budget_key=key)
-        return chooser
-
-    def candidate_generator(self, **overrides: Any) -> "TreeCandidateGenerator":
-        """A fresh candidate generator (with its own drafter KV cache) for one `generate` call."""
-        raise NotImplementedError(f"{type(self).__name__} must implement candidate_generator().")
 
     def check_target(self, target: PreTrainedModel) -> None:
         """Raise a ValueError naming both values if `target` is not the model this drafter was built for."""

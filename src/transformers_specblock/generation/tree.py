@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..utils import additive_mask
+
 
 @dataclass
 class DraftTree:
@@ -123,13 +125,6 @@ class DraftTree:
         return kids[torch.argsort(self.scores[kids], descending=True, stable=True)]
 
 
-def additive_mask(visible: torch.BoolTensor, dtype: torch.dtype) -> torch.Tensor:
-    """Bool visibility -> additive float mask (0 where visible, dtype-min elsewhere), as eager attention adds it."""
-    return torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill_(
-        ~visible, torch.finfo(dtype).min
-    )
-
-
 def tree_verification_mask(tree: DraftTree, prefix_visible: torch.BoolTensor, dtype: torch.dtype) -> torch.Tensor:
     """[1, 1, N+1, S+N+1] additive mask for verifying `tree` after S cached target positions.
 
@@ -139,31 +134,3 @@ def tree_verification_mask(tree: DraftTree, prefix_visible: torch.BoolTensor, dt
     prefix = prefix_visible.to(tree.tokens.device)[None, :].expand(n, -1)
     visible = torch.cat([prefix, tree.ancestor_matrix()], dim=1)
     return additive_mask(visible, dtype)[None, None]
-
-
-def block_causal_mask(num_positions: int, block_size: int, past_length: int, device: torch.device) -> torch.BoolTensor:
-    """[P*K, past+P*K] visibility for feeding P new positions of K slots each to the drafter.
-
-    Slot k of position p sees every cached entry, all K slots of earlier new positions and slots 0..k of its own.
-    """
-    pos = torch.arange(num_positions, device=device).repeat_interleave(block_size)
-    slot = torch.arange(block_size, device=device).repeat(num_positions)
-    new = (pos[None, :] < pos[:, None]) | ((pos[None, :] == pos[:, None]) & (slot[None, :] <= slot[:, None]))
-    past = torch.ones(num_positions * block_size, past_length, dtype=torch.bool, device=device)
-    return torch.cat([past, new], dim=1)
-
-
-def followup_block_mask(
-    inherited: torch.BoolTensor, block_size: int, prefix_length: int
-) -> torch.BoolTensor:
-    """[B*K, prefix + T + B*K] visibility for B follow-up blocks drafted in one batch.
-
-    inherited: [B, T] which of the T drafting-time cache entries (block 1's and earlier rounds' slots) each block
-    sees. Every block also sees the committed prefix and slots 0..k of itself, never another new block.
-    """
-    num_blocks, device = inherited.shape[0], inherited.device
-    rows = inherited.repeat_interleave(block_size, dim=0)
-    prefix = torch.ones(rows.shape[0], prefix_length, dtype=torch.bool, device=device)
-    own = block_causal_mask(num_blocks, block_size, 0, device)
-    same_block = torch.block_diag(*[torch.ones(block_size, block_size, dtype=torch.bool, device=device)] * num_blocks)
-    return torch.cat([prefix, rows, own & same_block], dim=1)

@@ -11,8 +11,6 @@ Architecture (one drafter position i: target features f_i, token x_{i+1} at rota
 `h_i` (pre-norm) is the drafter's own H-dim output: at deeper tree depths (and in later training-time-test steps) it
 replaces the fused target feature as the `hidden` input of the next position. `E_target` is the frozen target input
 embedding, bound with `bind_target` and never saved with the drafter.
-
-Importing this module registers `Eagle3Config` / `Eagle3DraftModel` with `AutoConfig` / `AutoModel`.
 """
 
 from __future__ import annotations
@@ -22,8 +20,6 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from transformers import AutoConfig, AutoModel
-from transformers import initialization as init
 from transformers.cache_utils import Cache
 from transformers.models.llama.modeling_llama import (
     LlamaAttention,
@@ -35,10 +31,9 @@ from transformers.models.llama.modeling_llama import (
 )
 from transformers.utils import ModelOutput
 
+from ...utils import additive_mask
+from ..tree_drafter.modeling_tree_drafter import TreeDraftModel
 from .configuration_eagle3 import Eagle3Config
-from .drafting_eagle3 import Eagle3CandidateGenerator
-from .modeling_tree_drafter import TreeDraftModel
-from .tree import additive_mask
 
 __all__ = [
     "Eagle3Attention",
@@ -179,18 +174,11 @@ class Eagle3PreTrainedModel(TreeDraftModel):
     supports_gradient_checkpointing = False
     _no_split_modules = ["Eagle3DecoderLayer"]
 
-    @torch.no_grad()
-    def _init_weights(self, module: nn.Module) -> None:
-        super()._init_weights(module)
-        if isinstance(module, Eagle3DraftModel):
-            init.copy_(module.d2t, torch.arange(self.config.draft_vocab_size))
-            init.copy_(module.t2d, torch.arange(self.config.vocab_size) < self.config.draft_vocab_size)
-
 
 class Eagle3DraftModel(Eagle3PreTrainedModel):
     """The EAGLE-3 drafter: `fc` feature fusion, one decoder layer, final norm, `lm_head` over the draft vocabulary.
 
-    `generate(assistant_model=drafter)` drafts dynamic top-k trees (`candidate_generator`); `forward` with target
+    `generate(assistant_model=drafter)` drafts dynamic top-k trees (`generation.candidate_generators.eagle3`); `forward` with target
     labels returns the training-time-test loss.
     """
 
@@ -201,14 +189,7 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
         self.norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = LlamaRotaryEmbedding(config)
         self.lm_head = nn.Linear(config.hidden_size, config.draft_vocab_size, bias=False)
-        # draft id -> target id, and which target ids the draft vocabulary holds
-        self.register_buffer("d2t", torch.arange(config.draft_vocab_size), persistent=True)
-        self.register_buffer("t2d", torch.arange(config.vocab_size) < config.draft_vocab_size, persistent=True)
         self.post_init()
-
-    def candidate_generator(self, **overrides) -> Eagle3CandidateGenerator:
-        """A dynamic top-k tree generator for one `generate` call (overrides: tree_budget, top_k, depth)."""
-        return Eagle3CandidateGenerator(self, **overrides)
 
     # ----------------------------------------------------------------------------------------------------------
     # Drafting
@@ -371,7 +352,3 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
         output.step_losses = step_losses
         output.stats = stats
         return output
-
-
-AutoConfig.register(Eagle3Config.model_type, Eagle3Config, exist_ok=True)
-AutoModel.register(Eagle3Config, Eagle3DraftModel, exist_ok=True)

@@ -20,7 +20,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from .modeling_tree_drafter import TreeDraftModel
+from ..models.tree_drafter.modeling_tree_drafter import TreeDraftModel
 
 REFERENCE = "plain"
 

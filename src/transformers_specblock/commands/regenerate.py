@@ -1,6 +1,6 @@
 """Self-distillation data: answer training prompts with the target itself (the method's data recipe).
 
-    python -m transformers_specblock.regenerate --target_model smollm2-135m-instruct \
+    python -m transformers_specblock.commands.regenerate --target_model smollm2-135m-instruct \
         --num_conversations 512 --max_new_tokens 256 --output data/smollm2-sharegpt-regen.jsonl
 
 Writes one JSON line per conversation, `{"id", "conversations": [{"from": "human", ...}, {"from": "gpt", ...}]}`,
@@ -17,7 +17,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import HfArgumentParser
 
-from .assets import load_packaged_model, load_sharegpt_conversations
+from ..hub.assets import load_packaged_model, load_sharegpt_conversations
 
 
 @dataclass

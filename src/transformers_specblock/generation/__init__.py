@@ -1,0 +1,48 @@
+"""Decoding with a tree drafter: tree, candidate generators (draft), verification, acceptance, cache compaction,
+the tree budget, the loop and its entry into `generate`."""
+
+from .acceptance import greedy_accept, sample_accept
+from .budget import AutoBudget, TargetCost, auto_budget_for, best_budget, measure_target_cost
+from .cache_utils import compact_cache, full_attention_cache, truncate_cache
+from .candidate_generators import (
+    CANDIDATE_GENERATOR_MAPPING,
+    DraftingStats,
+    Eagle3CandidateGenerator,
+    SpecBlockCandidateGenerator,
+    TreeCandidateGenerator,
+    get_candidate_generator,
+)
+from .decoding import SpecBlockStats, tree_speculative_decoding
+from .integration import generate, install, uninstall
+from .logits_process import TreeLogitsProcessor
+from .tree import DraftTree, tree_verification_mask
+from .verification import Verification, verify_tree
+
+__all__ = [
+    "CANDIDATE_GENERATOR_MAPPING",
+    "AutoBudget",
+    "DraftTree",
+    "DraftingStats",
+    "Eagle3CandidateGenerator",
+    "SpecBlockCandidateGenerator",
+    "SpecBlockStats",
+    "TargetCost",
+    "TreeCandidateGenerator",
+    "TreeLogitsProcessor",
+    "Verification",
+    "auto_budget_for",
+    "best_budget",
+    "compact_cache",
+    "full_attention_cache",
+    "generate",
+    "get_candidate_generator",
+    "greedy_accept",
+    "install",
+    "measure_target_cost",
+    "sample_accept",
+    "tree_speculative_decoding",
+    "tree_verification_mask",
+    "truncate_cache",
+    "uninstall",
+    "verify_tree",
+]

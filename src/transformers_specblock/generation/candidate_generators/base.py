@@ -1,0 +1,89 @@
+"""The base of the tree candidate generators: a drafter KV cache kept across iterations, context read lazily."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+from transformers.generation.candidate_generator import CandidateGenerator
+
+from ...models.tree_drafter.configuration_tree_drafter import AUTO
+from ...models.tree_drafter.modeling_tree_drafter import TreeDraftModel
+from ...utils import sync
+from ..tree import DraftTree
+
+
+@dataclass
+class DraftingStats:
+    """Drafter-side counters of one `generate` call."""
+
+    drafter_forwards: int = 0
+    drafter_time_s: float = 0.0
+    blocks_per_iteration: list[int] = field(default_factory=list)
+
+
+class TreeCandidateGenerator(CandidateGenerator):
+    """Drafts token trees for the target to verify, keeping its own drafter KV cache across iterations.
+
+    The loop `queue`s the target features of newly committed positions; `read_queued` feeds them to the drafter
+    (`observe`, one call however many steps were queued) right before `draft_tree` grows a tree from the last
+    committed token, so a drafter that skips steps (tree_budget="auto" choosing 0) reads nothing until it drafts.
+    Subclasses implement `observe` and `draft_tree`; drafter time and forwards are counted in `stats`.
+    """
+
+    requires_model_outputs = True
+
+    def __init__(self, drafter: TreeDraftModel, tree_budget: int | None = None) -> None:
+        self.drafter = drafter
+        budget = tree_budget if tree_budget is not None else drafter.config.tree_budget
+        if budget == AUTO:  # the loop sets the budget every iteration; start from the largest candidate
+            budget = max(drafter.config.auto_budget_candidates)
+        self.tree_budget = budget
+        self.stats = DraftingStats()
+        self.tree: DraftTree | None = None
+        self.queued: list[tuple[torch.Tensor, torch.LongTensor]] = []  # (features [P, 3H], next tokens [P])
+        self.queued_first_position = 0
+        self.has_read = False  # whether the drafter has read any context yet
+
+    def queue(self, target_features: torch.Tensor, next_tokens: torch.LongTensor, first_position: int) -> None:
+        """Remember committed positions for the drafter to read before its next draft (see `observe`)."""
+        if not self.queued:
+            self.queued_first_position = first_position
+        self.queued.append((target_features, next_tokens))
+
+    def read_queued(self) -> int:
+        """Feed every queued position to the drafter in one `observe`; returns how many steps were queued."""
+        steps = len(self.queued)
+        if steps:
+            features = torch.cat([f for f, _ in self.queued]) if steps > 1 else self.queued[0][0]
+            tokens = torch.cat([t for _, t in self.queued]) if steps > 1 else self.queued[0][1]
+            self.observe(features, tokens, first_position=self.queued_first_position)
+            self.queued.clear()
+            self.has_read = True
+        return steps
+
+    def observe(self, target_features: torch.Tensor, next_tokens: torch.LongTensor, first_position: int) -> None:
+        """Feed newly committed positions i (target features f_i [P, 3H], tokens x_{i+1} [P]); `first_position`
+        is the rotary position of next_tokens[0]."""
+        raise NotImplementedError
+
+    def draft_tree(self, root_token: int) -> DraftTree:
+        """A tree rooted at the last committed token, pruned to `tree_budget` drafted nodes."""
+        raise NotImplementedError
+
+    def get_candidates(self, input_ids: torch.LongTensor, **kwargs) -> tuple[torch.LongTensor, None]:
+        """`CandidateGenerator` API: the drafted tree's tokens in topological order after `input_ids`.
+
+        The tree structure the verifier needs is kept in `self.tree`.
+        """
+        self.tree = self.draft_tree(int(input_ids[0, -1]))
+        return torch.cat([input_ids, self.tree.tokens[1:][None].to(input_ids.device)], dim=1), None
+
+    def update_candidate_strategy(self, input_ids: torch.LongTensor, scores: torch.Tensor, num_matches: int) -> None:
+        """Tree shapes adapt inside `draft_tree`; nothing to update between iterations."""
+
+    def _account(self, start: float, forwards: int = 1) -> None:
+        sync(self.drafter.device)
+        self.stats.drafter_forwards += forwards
+        self.stats.drafter_time_s += time.perf_counter() - start

@@ -1,0 +1,74 @@
+"""Logits processing on a token tree: the user's `LogitsProcessorList` applied to every node on its own path."""
+
+from __future__ import annotations
+
+import torch
+from transformers import LogitsProcessor, LogitsProcessorList
+from transformers.generation import logits_process as lp
+
+from .tree import DraftTree
+
+
+# Processors whose output row i depends only on (input_ids[i], scores[i]) and that keep no state between calls:
+# safe to call on many tree nodes at once.
+ROW_WISE_PROCESSORS: tuple[type[LogitsProcessor], ...] = (
+    lp.MinLengthLogitsProcessor, lp.MinNewTokensLengthLogitsProcessor, lp.TemperatureLogitsWarper,
+    lp.RepetitionPenaltyLogitsProcessor, lp.TopPLogitsWarper, lp.TopKLogitsWarper, lp.TopHLogitsWarper,
+    lp.MinPLogitsWarper, lp.TypicalLogitsWarper, lp.EpsilonLogitsWarper, lp.EtaLogitsWarper,
+    lp.NoRepeatNGramLogitsProcessor, lp.SequenceBiasLogitsProcessor, lp.ForcedBOSTokenLogitsProcessor,
+    lp.ForcedEOSTokenLogitsProcessor, lp.InfNanRemoveLogitsProcessor, lp.ExponentialDecayLengthPenalty,
+    lp.LogitNormalization, lp.SuppressTokensAtBeginLogitsProcessor, lp.SuppressTokensLogitsProcessor,
+    lp.WatermarkLogitsProcessor,
+)  # fmt: skip
+# Processors that keep state across calls (their own model cache, a watermark context, a call counter) or whose
+# rows must pair with the user's batch (encoder inputs, guidance halves): calling them on tree nodes, rejected ones
+# included, would corrupt them.
+STATEFUL_PROCESSORS: tuple[type[LogitsProcessor], ...] = (
+    lp.UnbatchedClassifierFreeGuidanceLogitsProcessor, lp.ClassifierFreeGuidanceLogitsProcessor,
+    lp.SynthIDTextWatermarkLogitsProcessor, lp.EncoderRepetitionPenaltyLogitsProcessor,
+    lp.EncoderNoRepeatNGramLogitsProcessor, lp.WhisperTimeStampLogitsProcessor, lp.WhisperNoSpeechDetection,
+    lp.AlternatingCodebooksLogitsProcessor, lp.BarkEosPrioritizerLogitsProcessor,
+    lp.DiaClassifierFreeGuidanceLogitsProcessor, lp.DiaEOSChannelFilterLogitsProcessor,
+    lp.DiaEOSDelayPatternLogitsProcessor,
+)  # fmt: skip
+
+
+class TreeLogitsProcessor(LogitsProcessor):
+    """Applies a standard `LogitsProcessorList` to every node of a draft tree on that node's own path prefix.
+
+    Nodes of equal depth share a prefix length, so row-wise processors (`ROW_WISE_PROCESSORS`: penalties, n-gram
+    bans, minimum lengths, warpers) see them as one batch. Any other processor, e.g. `PrefixConstrainedLogitsProcessor`
+    (which passes the row index as `batch_id`) or a user's own, is called once per node with a one-row batch, so
+    row 0 is always the user's row. Processors that keep state between calls (`STATEFUL_PROCESSORS`) are refused.
+    """
+
+    def __init__(self, processors: LogitsProcessorList) -> None:
+        stateful = [type(p).__name__ for p in processors if isinstance(p, STATEFUL_PROCESSORS)]
+        if stateful:
+            raise ValueError(
+                f"{', '.join(stateful)} keeps state between calls (or pairs rows with the batch), which tree decoding "
+                "cannot honour: it calls logits processors on every drafted node, rejected ones included. Generate "
+                "without assistant_model to use it."
+            )
+        self.processors = processors
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor, tree: DraftTree) -> torch.FloatTensor:
+        """input_ids: [1, S] committed tokens (ending with the root); scores: [N+1, V] raw logits per node."""
+        if len(self.processors) == 0:
+            return scores
+        paths = tree.path_tokens().to(input_ids.device)
+        processed = torch.empty_like(scores)
+        for depth in range(tree.max_depth + 1):
+            rows = (tree.depths == depth).nonzero().squeeze(1).to(scores.device)
+            prefix = torch.cat([input_ids.expand(rows.numel(), -1), paths[rows, :depth]], dim=1)
+            processed[rows] = self._apply(prefix, scores[rows].clone())
+        return processed
+
+    def _apply(self, prefix: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        """Run the processors in order on [R, S+d] prefixes and their [R, V] scores."""
+        for processor in self.processors:
+            if isinstance(processor, ROW_WISE_PROCESSORS):
+                scores = processor(prefix, scores)
+            else:
+                scores = torch.cat([processor(prefix[i : i + 1], scores[i : i + 1]) for i in range(scores.shape[0])])
+        return scores
