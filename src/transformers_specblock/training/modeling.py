@@ -44,7 +44,7 @@ from .losses import _all_reduce, block_terms, followup_training_mask, rank_head_
 
 @dataclass
 class SpecBlockTrainingOutput(ModelOutput):
-    """loss = loss_draft + rank_loss_weight * loss_rank; ``stats``: detached metric sums (`STAT_NAMES` layout)."""
+    """loss = loss_draft + rank_loss_weight * loss_rank; ``stats``: detached metric sums (`training_stat_names` layout)."""
 
     loss: torch.Tensor | None = None
     loss_draft: torch.Tensor | None = None
