@@ -1,7 +1,7 @@
 """Demo: SpecBlock tree speculative decoding on the packaged SmolLM2-135M-Instruct, inside `generate`.
 
-Uses the shipped drafter in models/specblock-smollm2-135m-instruct when present, else a fresh (untrained) drafter,
-which shows the mechanics and losslessness but no speed-up.
+Uses the drafter shipped inside the package, "specblock-smollm2-135m-instruct" (or --drafter FOLDER); with
+--drafter none a fresh (untrained) drafter, which shows the mechanics and losslessness but no speed-up.
 """
 
 from __future__ import annotations
@@ -14,25 +14,26 @@ import torch
 from transformers import TextStreamer
 
 from transformers_specblock import SpecBlockDraftModel, load_packaged_model, load_prompts
+from transformers_specblock.hub import resolve_drafter_path
 
-SHIPPED = Path(__file__).resolve().parent.parent / "models" / "specblock-smollm2-135m-instruct"
+SHIPPED = "specblock-smollm2-135m-instruct"  # a shipped drafter's name (see transformers_specblock.hub.shipped)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--num_prompts", type=int, default=2)
     parser.add_argument("--max_new_tokens", type=int, default=64)
-    parser.add_argument("--drafter", type=str, default=str(SHIPPED), help="drafter folder (default: shipped one)")
+    parser.add_argument("--drafter", type=str, default=SHIPPED, help="drafter folder or shipped name, or none")
     args = parser.parse_args()
 
     torch.manual_seed(0)
     target, tokenizer = load_packaged_model("smollm2-135m-instruct")
-    if Path(args.drafter, "config.json").exists():
+    if Path(resolve_drafter_path(args.drafter), "config.json").exists():
         drafter = SpecBlockDraftModel.from_pretrained(args.drafter).eval()
         print(f"drafter: {args.drafter}")
     else:
         drafter = SpecBlockDraftModel.from_target(target, tree_policy="fixed", fixed_width=3, tree_budget=16)
-        print("drafter: untrained (no shipped drafter found) - expect tau near 1 and no speed-up")
+        print(f"drafter: untrained (no drafter {args.drafter!r}) - expect tau near 1 and no speed-up")
 
     prompts = load_prompts("mt_bench", num_prompts=args.num_prompts, tokenizer=tokenizer)
     for row in prompts:

@@ -18,11 +18,10 @@ import datasets
 from transformers import AutoModel, HfArgumentParser
 
 from ..hub.assets import load_packaged_model, load_prompts
+from ..hub.shipped import SHIPPED_DRAFTERS, resolve_drafter_path
 from .benchmark import REFERENCE, Method, run_benchmark, write_report
 from ..models.tree_drafter.modeling_tree_drafter import TreeDraftModel
 from ..training import DataArguments, ModelArguments, SpecBlockTrainingArguments, run_training
-
-SHIPPED_MODELS_DIR = Path(__file__).resolve().parents[3] / "models"
 
 
 def parse_train_args(
@@ -71,8 +70,14 @@ class BenchArguments:
     num_prompts: int | None = field(default=8)
     max_new_tokens: int = field(default=128)
     output_dir: str = field(default="out/bench")
-    specblock_model: str | None = field(default=None, metadata={"help": "Default: the shipped drafter."})
-    eagle3_model: str | None = field(default=None, metadata={"help": "Default: the shipped EAGLE-3 drafter."})
+    specblock_model: str | None = field(
+        default=None,
+        metadata={"help": "Drafter folder or shipped drafter name; default: specblock-<target_model folder name>."},
+    )
+    eagle3_model: str | None = field(
+        default=None,
+        metadata={"help": "EAGLE-3 drafter folder or shipped name; default: eagle3-<target_model folder name>."},
+    )
     assistant_model: str | None = field(
         default=None, metadata={"help": "Packaged name / folder of a small LM for transformers' assisted generation."}
     )
@@ -86,15 +91,19 @@ class BenchArguments:
     seed: int = field(default=0)
 
 
-def shipped_drafter_path(kind: str, target_model: str) -> Path:
-    """`models/<kind>-<target>` of this repository checkout (where the shipped drafters live)."""
-    return SHIPPED_MODELS_DIR / f"{kind}-{Path(target_model).name}"
+def default_drafter_name(kind: str, target_model: str) -> str:
+    """``<kind>-<target folder name>``: the shipped drafter's name for a packaged target (see `hub.shipped`)."""
+    return f"{kind}-{Path(target_model).name}"
 
 
 def _load_drafter(path: str | None, kind: str, target_model: str, target) -> TreeDraftModel:
-    folder = Path(path) if path else shipped_drafter_path(kind, target_model)
+    name_or_path = path or default_drafter_name(kind, target_model)
+    folder = Path(resolve_drafter_path(name_or_path))  # a local folder wins over a shipped drafter's name
     if not (folder / "config.json").exists():
-        raise FileNotFoundError(f"No {kind} drafter at {folder}: pass --{kind}_model with a trained drafter folder.")
+        raise FileNotFoundError(
+            f"No {kind} drafter {name_or_path!r}: neither a local drafter folder nor a shipped drafter "
+            f"({', '.join(SHIPPED_DRAFTERS)}). Pass --{kind}_model with a trained drafter folder."
+        )
     drafter = AutoModel.from_pretrained(folder, dtype=target.dtype).to(target.device).eval()
     drafter.bind_target(target)
     return drafter

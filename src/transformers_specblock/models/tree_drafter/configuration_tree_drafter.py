@@ -11,6 +11,8 @@ from typing import Any
 
 from transformers import PretrainedConfig
 
+from ...hub.shipped import resolve_drafter_path
+
 AUTO = "auto"
 DEFAULT_CANDIDATES = (0, 2, 4, 8, 16, 24, 32, 48, 64)
 DEFAULT_EXPLORE_INTERVAL = 32  # verified steps between two trees drafted above the chosen budget
@@ -147,6 +149,12 @@ class TreeDrafterConfig(PretrainedConfig):
         """Derive a drafter config for a Llama-, Mistral-, Qwen2/3- or Gemma3-family target config: the drafter's
         decoder copies the target's attention / MLP shape; `overrides` win."""
         return cls(**derive_from_target(target_config, cls.drafter_name, overrides))
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path: Any, *args: Any, **kwargs: Any) -> "TreeDrafterConfig":
+        """`PretrainedConfig.from_pretrained`; a shipped drafter's name resolves as in `TreeDraftModel.from_pretrained`
+        (a local folder of that name wins; a Hub id is passed through unchanged)."""
+        return super().from_pretrained(resolve_drafter_path(pretrained_model_name_or_path), *args, **kwargs)
 
 
 def derive_from_target(target_config: PretrainedConfig, drafter_name: str, overrides: dict[str, Any]) -> dict[str, Any]:

@@ -1,0 +1,88 @@
+"""The shipped drafters are package data and load by name; a local folder of the same name wins."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModel, LlamaConfig, LlamaForCausalLM
+
+import transformers_specblock
+from transformers_specblock import Eagle3DraftModel, SpecBlockConfig, SpecBlockDraftModel
+from transformers_specblock.hub import SHIPPED_DRAFTERS, resolve_drafter_path, shipped_drafter_path
+
+from conftest import make_drafter, make_target
+
+SPECBLOCK, EAGLE3 = "specblock-smollm2-135m-instruct", "eagle3-smollm2-135m-instruct"
+PACKAGE_DIR = Path(transformers_specblock.__file__).resolve().parent
+
+
+def smollm2_shaped_target(seed: int = 0) -> LlamaForCausalLM:
+    """A random Llama with the sizes the shipped drafters check (vocab 49152, hidden 576, 30 layers); narrow MLP."""
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=49152, hidden_size=576, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+        intermediate_size=64, tie_word_embeddings=True, bos_token_id=0, eos_token_id=None, pad_token_id=None,
+        initializer_range=0.2,
+    )  # fmt: skip
+    return LlamaForCausalLM(config).eval()
+
+
+def test_shipped_drafters_live_inside_the_package():
+    assert SHIPPED_DRAFTERS == (EAGLE3, SPECBLOCK)
+    for name in SHIPPED_DRAFTERS:
+        folder = shipped_drafter_path(name)
+        assert folder.parent == PACKAGE_DIR / "hub" / "shipped"
+        assert {"config.json", "model.safetensors", "README.md"} <= {p.name for p in folder.iterdir()}
+    with pytest.raises(ValueError, match="shipped drafters are eagle3-smollm2-135m-instruct, specblock-"):
+        shipped_drafter_path("specblock-qwen")
+
+
+def test_resolution_rule(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert resolve_drafter_path(SPECBLOCK) == shipped_drafter_path(SPECBLOCK)
+    for passed_through in ("HuggingFaceTB/some-drafter", f"user/{SPECBLOCK}", "no-such-drafter", None):
+        assert resolve_drafter_path(passed_through) == passed_through
+    (tmp_path / SPECBLOCK).mkdir()  # a local folder of that name wins
+    assert resolve_drafter_path(SPECBLOCK) == SPECBLOCK
+
+
+def test_from_pretrained_by_name():
+    drafter = SpecBlockDraftModel.from_pretrained(SPECBLOCK)
+    assert drafter.config.vocab_size == 49152 and drafter.config.target_hidden_size == 576
+    assert drafter.name_or_path == str(shipped_drafter_path(SPECBLOCK))
+    assert isinstance(Eagle3DraftModel.from_pretrained(EAGLE3), Eagle3DraftModel)
+    assert SpecBlockConfig.from_pretrained(SPECBLOCK).target_num_hidden_layers == 30  # --init_drafter reads this
+    assert isinstance(AutoModel.from_pretrained(shipped_drafter_path(EAGLE3)), Eagle3DraftModel)
+
+
+def test_a_local_folder_named_like_a_shipped_drafter_wins(tmp_path, monkeypatch):
+    local = make_drafter(make_target("llama"))
+    local.save_pretrained(tmp_path / SPECBLOCK)
+    monkeypatch.chdir(tmp_path)
+    loaded = SpecBlockDraftModel.from_pretrained(SPECBLOCK)
+    assert loaded.config.vocab_size == local.config.vocab_size == 128
+
+
+def test_bench_loads_the_shipped_drafters_by_default(one_thread):
+    from transformers_specblock.commands.cli import BenchArguments, build_methods
+
+    target = smollm2_shaped_target()
+    args = BenchArguments(target_model="smollm2-135m-instruct", methods="plain,specblock,eagle3")
+    methods = build_methods(args, target)
+    drafters = [m.generate_kwargs["assistant_model"] for m in methods]
+    assert [type(d) for d in drafters] == [SpecBlockDraftModel, Eagle3DraftModel]
+    assert [d.name_or_path for d in drafters] == [str(shipped_drafter_path(n)) for n in (SPECBLOCK, EAGLE3)]
+    prompt = torch.tensor([[0, 11, 42, 7, 300, 5]])
+    expected = target.generate(prompt, max_new_tokens=8, do_sample=False)
+    for drafter in drafters:
+        out = target.generate(prompt, max_new_tokens=8, do_sample=False, assistant_model=drafter)
+        assert torch.equal(out, expected)
+
+
+def test_bench_names_the_choices_when_no_drafter_fits():
+    from transformers_specblock.commands.cli import BenchArguments, build_methods
+
+    with pytest.raises(FileNotFoundError, match="neither a local drafter folder nor a shipped drafter"):
+        build_methods(BenchArguments(target_model="qwen2.5-coder-1.5b-instruct", methods="specblock"), None)
