@@ -74,6 +74,7 @@ class Eagle3CandidateGenerator(TreeCandidateGenerator):
             positions,
             torch.cat([past, new], dim=1)[None],
             self.cache,
+            logits_to_keep=1,
         )
         self.committed_entries = self.cache.get_seq_length()
         self.root_output = (out.logits[0, -1], out.hidden_states[0, -1])

@@ -74,7 +74,8 @@ class SpecBlockCandidateGenerator(TreeCandidateGenerator):
         self._account(start, forwards=-(-num_pos // chunk))
 
     def _feed(self, target_features: torch.Tensor, next_tokens: torch.LongTensor, first_position: int):
-        """One drafter forward appending K slot entries per position to the drafter cache."""
+        """One drafter forward appending K slot entries per position to the drafter cache; the head runs on the last
+        position only (the one whose block 1 starts the next tree)."""
         num_pos, device = next_tokens.shape[0], self.drafter.device
         mask = block_causal_mask(num_pos, self.block_size, self.committed_entries, device)[None]
         positions = torch.arange(first_position, first_position + num_pos, device=device)[None]
@@ -84,6 +85,7 @@ class SpecBlockCandidateGenerator(TreeCandidateGenerator):
             positions,
             mask,
             self.cache,
+            logits_to_keep=1,
         )
         self.committed_entries = self.cache.get_seq_length()
         return out

@@ -205,6 +205,7 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
         position_ids: torch.LongTensor,
         attention_mask: torch.BoolTensor,
         past_key_values: Cache | None = None,
+        logits_to_keep: int = 0,
     ) -> Eagle3Output:
         """One drafter forward over P positions (appends their K/V to `past_key_values`).
 
@@ -212,13 +213,15 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
         input_ids:      [B, P]     the token at each position (target vocabulary)
         position_ids:   [B, P]     rotary position of that token
         attention_mask: [B, P, S]  bool visibility over (cached + new) entries, S = cached + P
+        logits_to_keep: compute `logits` for the last this many positions only (0 = all)
         """
         token_embeds = self.embed_target_tokens(input_ids)
         hidden = hidden.to(self.dtype)
         position_embeddings = self.rotary_emb(hidden, position_ids)
         mask = additive_mask(attention_mask.to(hidden.device), hidden.dtype)[:, None]  # [B, 1, P, S]
         out = self.layer(token_embeds, hidden, position_embeddings, mask, past_key_values)
-        return Eagle3Output(logits=self.lm_head(self.norm(out)), hidden_states=out, past_key_values=past_key_values)
+        logits = self.lm_head(self.norm(out[:, -logits_to_keep:]))
+        return Eagle3Output(logits=logits, hidden_states=out, past_key_values=past_key_values)
 
     # ----------------------------------------------------------------------------------------------------------
     # Training-time test

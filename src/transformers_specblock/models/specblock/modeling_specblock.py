@@ -145,6 +145,7 @@ class SpecBlockDraftModel(SpecBlockPreTrainedModel):
         position_ids: torch.LongTensor,
         attention_mask: torch.BoolTensor,
         past_key_values: Cache | None = None,
+        logits_to_keep: int = 0,
     ) -> SpecBlockOutput:
         """Draft one block of K slots for each of P positions.
 
@@ -152,6 +153,8 @@ class SpecBlockDraftModel(SpecBlockPreTrainedModel):
         input_ids:      [B, P]     the token at each position (target vocabulary)
         position_ids:   [B, P]     rotary position of that token; slot k uses position + k
         attention_mask: [B, P*K, S] bool visibility over (cached + new) entries, S = cached + P*K
+        logits_to_keep: compute `logits` / `rank_logits` for the last this many positions only (0 = all): reading a
+                        prompt needs the last position's block alone, and the draft `lm_head` dominates its cost
         """
         batch, num_pos = input_ids.shape
         k_slots, hidden = self.config.block_size, self.config.hidden_size
@@ -186,7 +189,7 @@ class SpecBlockDraftModel(SpecBlockPreTrainedModel):
             )
 
         hidden_states = h.view(batch, num_pos, k_slots, hidden)
-        normed = self.norm(hidden_states)
+        normed = self.norm(hidden_states[:, -logits_to_keep:])  # [B, kept, K, H]
         logits = self.lm_head(normed)
         features = rank_features(logits.detach()).to(normed.dtype)
         rank_logits = self.rank_head(torch.cat([normed.detach(), features], dim=-1))
