@@ -13,7 +13,6 @@ from transformers import PreTrainedModel
 from transformers import initialization as init
 
 from ...hub.modelcard import build_model_card
-from ...hub.provenance import resolve_base_model_id
 from ...hub.shipped import resolve_drafter_path
 from .configuration_tree_drafter import TreeDrafterConfig
 
@@ -67,7 +66,6 @@ class TreeDraftModel(PreTrainedModel):
         """A freshly initialised drafter sized for `target` (see the config's `from_target_config`)."""
         config = cls.config_class.from_target_config(target.config, **overrides)
         config.target_name_or_path = target.name_or_path or target.config.get_text_config().model_type
-        config.base_model_id = resolve_base_model_id(target.name_or_path)  # a Hub id or None, never a path
         drafter = cls(config).to(device=target.device, dtype=target.dtype).eval()
         drafter.bind_target(target)
         return drafter
@@ -144,34 +142,10 @@ class TreeDraftModel(PreTrainedModel):
                     f"`{type(self).__name__}.from_target(target)`."
                 )
 
-    def bind_target(self, target: PreTrainedModel, place: bool = True) -> None:
-        """Use `target`'s (frozen) input embedding as the drafter's token path, and follow the target.
-
-        With `place` (what `generate` does on every call) the drafter moves to the device where the target's input
-        embedding runs (for a target spread over devices with `device_map`: where its first layers run) and its
-        floating-point weights are cast to the target's dtype, so it drafts at the target's precision with no
-        cross-device copy of the features. A drafter or target on the meta device (no weights) is refused.
-        Training passes `place=False`: its Trainer places the drafter and keeps float32 weights.
-        """
+    def bind_target(self, target: PreTrainedModel) -> None:
+        """Use `target`'s (frozen) input embedding as the drafter's token path."""
         self.check_target(target)
-        embedding = target.get_input_embeddings()
-        device = _execution_device(embedding)
-        if place:
-            if device.type == "meta":
-                raise ValueError(
-                    "The target's input embedding is on the meta device (no weights): load the target's weights "
-                    "(from_pretrained) before binding a drafter or generating."
-                )
-            tensors = [*self.parameters(), *self.buffers()]
-            if any(t.device.type == "meta" for t in tensors):
-                raise ValueError(
-                    f"This {type(self).__name__}'s weights are on the meta device (no data), so it cannot follow its "
-                    f"target to {device}: load them first (from_pretrained, or to_empty + load_state_dict)."
-                )
-            dtype = target.dtype
-            if any(t.device != device or (t.is_floating_point() and t.dtype != dtype) for t in tensors):
-                self.to(device=device, dtype=dtype)
-        self.__dict__["_target_embedding"] = embedding
+        self.__dict__["_target_embedding"] = target.get_input_embeddings()
 
     @property
     def target_embedding(self) -> nn.Module:
@@ -184,16 +158,5 @@ class TreeDraftModel(PreTrainedModel):
     def embed_target_tokens(self, input_ids: torch.LongTensor) -> torch.Tensor:
         """Target token embeddings (no gradient: the target's embedding stays frozen)."""
         with torch.no_grad():
-            emb = self.target_embedding(input_ids.to(_execution_device(self.target_embedding)))
+            emb = self.target_embedding(input_ids.to(self.target_embedding.weight.device))
         return emb.to(device=self.device, dtype=self.dtype)
-
-
-def _execution_device(module: nn.Module) -> torch.device:
-    """Where `module` computes: its accelerate hook's execution device (set for offloaded weights under a
-    `device_map`), else the device of its weight."""
-    hook = getattr(module, "_hf_hook", None)
-    for part in getattr(hook, "hooks", [hook]):
-        device = getattr(part, "execution_device", None)
-        if device is not None:
-            return torch.device(device)
-    return module.weight.device
