@@ -5,6 +5,7 @@ import json
 import time
 from pathlib import Path
 
+import huggingface_hub.constants
 import pytest
 import torch
 
@@ -89,10 +90,11 @@ def test_jsonl_prompt_and_messages(tmp_path):
         load_prompts(str(bad))
 
 
-def test_bad_names():
+def test_bad_names(monkeypatch):
     with pytest.raises(ValueError, match="mt_bench, humaneval, sharegpt"):
         load_prompts("gsm8k")
-    with pytest.raises(ValueError, match="smollm2-135m-instruct"):
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # fail the Hub lookup at once
+    with pytest.raises(OSError, match="smollm2-135m-instruct"):  # no packaged name, no folder, no Hub id
         load_packaged_model("llama-70b")
     with pytest.raises(ValueError, match="'train', 'heldout'"):
         load_sharegpt_conversations("test")

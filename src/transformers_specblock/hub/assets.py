@@ -1,8 +1,9 @@
 """Offline assets: real causal LMs, prompt sets and a chat corpus shipped inside pip packages.
 
-Nothing here touches the network. Models come as GGUF files (4-bit weights, dequantized on load) inside
+The packaged assets never touch the network. Models come as GGUF files (4-bit weights, dequantized on load) inside
 registry packages; the first load converts them once to a plain safetensors folder in the cache, later loads take
 seconds. Prompt sets are MT-Bench (first turns), HumanEval and a fixed held-out slice of ShareGPT V3.
+`load_packaged_model` also takes a local folder or a Hub id (which ``from_pretrained`` fetches as usual).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import tempfile
 import time
 import zlib
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,9 +34,11 @@ __all__ = [
     "PROMPT_SETS",
     "SHAREGPT_HELDOUT_BUCKETS",
     "default_cache_dir",
+    "explain_hub_errors",
     "load_packaged_model",
     "load_prompts",
     "load_sharegpt_conversations",
+    "resolve_model_path",
 ]
 
 
@@ -192,32 +196,57 @@ def _convert(entry: PackagedModel, target: Path) -> None:
     logger.warning(f"Converted {gguf_file} in {time.perf_counter() - start:.0f} s")
 
 
+def resolve_model_path(name: str, cache_dir: str | os.PathLike | None = None) -> str:
+    """What ``from_pretrained`` loads for ``name``: a local folder or a Hub id unchanged, a packaged model's name
+    (a key of ``PACKAGED_MODELS``, when no local folder has that name) its converted folder.
+
+    The first call for a packaged model converts its GGUF to ``<cache_dir>/<name>`` (default
+    ``default_cache_dir() / "models"``); later calls find that folder.
+    """
+    if os.path.isdir(name) or name not in PACKAGED_MODELS:
+        return name
+    folder = (Path(cache_dir) if cache_dir is not None else default_cache_dir() / "models").expanduser() / name
+    if not (folder / "config.json").is_file():
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        _convert(PACKAGED_MODELS[name], folder)
+    return str(folder)
+
+
+@contextmanager
+def explain_hub_errors(name: str, kind: str = "model") -> Iterator[None]:
+    """Turn the OSError ``from_pretrained`` raises for a name that is no local folder (a Hub id it could not fetch:
+    misspelt, gated, or no network) into one that names ``name`` and says what to do."""
+    try:
+        yield
+    except OSError as error:
+        if os.path.isdir(name):  # a local folder with a problem inside: transformers' message says which
+            raise
+        known = f"a packaged model ({', '.join(PACKAGED_MODELS)}), " if kind == "model" else ""
+        raise OSError(
+            f"Could not load the {kind} {name!r}: it is not {known}a local folder, so it was looked up as a Hugging "
+            f"Face Hub id, which failed: {error}\nCheck the id and that you may read it (gated models: accept the "
+            f"terms on its Hub page, then `hf auth login`). Without network, download it first where there is "
+            f"network (`hf download {name}`, then copy the Hugging Face cache) or pass a local folder."
+        ) from error
+
+
 def load_packaged_model(
     name: str,
-    dtype: torch.dtype = torch.float32,
+    dtype: torch.dtype | str = torch.float32,
     cache_dir: str | os.PathLike | None = None,
     device_map: Any = None,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """Load a packaged model (a key of ``PACKAGED_MODELS``) or a local HF model folder, in eval mode.
+    """Load a causal LM and its tokenizer, in eval mode: a packaged model (a key of ``PACKAGED_MODELS``, converted
+    once, see `resolve_model_path`), a local folder or a Hub id (passed to ``from_pretrained`` unchanged).
 
-    The first call for a packaged model converts its GGUF to ``<cache_dir>/<name>`` (default
-    ``default_cache_dir() / "models"``); later calls reload that folder in seconds.
+    ``dtype`` and ``device_map`` go to ``from_pretrained`` as given (`hub.loading.load_model` takes command-line
+    style ``device`` / ``dtype`` strings instead). A Hub id that cannot be fetched raises an OSError naming it.
     """
-    if os.path.isdir(name):
-        folder = Path(name)
-    elif name in PACKAGED_MODELS:
-        folder = Path(cache_dir) if cache_dir is not None else default_cache_dir() / "models"
-        folder = folder.expanduser() / name
-        if not (folder / "config.json").is_file():
-            folder.parent.mkdir(parents=True, exist_ok=True)
-            _convert(PACKAGED_MODELS[name], folder)
-    else:
-        raise ValueError(
-            f"Unknown model {name!r}: expected one of {', '.join(PACKAGED_MODELS)} or a local model folder"
-        )
-    logger.info(f"Loading {name} from {folder}")
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, device_map=device_map)
-    tokenizer = AutoTokenizer.from_pretrained(folder)
+    path = resolve_model_path(name, cache_dir)
+    logger.info(f"Loading {name} from {path}")
+    with explain_hub_errors(name):
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, device_map=device_map)
+        tokenizer = AutoTokenizer.from_pretrained(path)
     return model.eval(), tokenizer
 
 
