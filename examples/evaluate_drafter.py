@@ -17,6 +17,7 @@ from transformers import AutoModel
 
 from transformers_specblock import load_packaged_model, load_prompts
 from transformers_specblock.commands.benchmark import Method, run_benchmark, write_report
+from transformers_specblock.hub.provenance import describe_hardware
 
 PROMPT_SETS = ("mt_bench", "humaneval", "sharegpt")
 
@@ -34,6 +35,7 @@ def main() -> None:
     target, tokenizer = load_packaged_model(args.target_model)
     drafter = AutoModel.from_pretrained(args.drafter, dtype=torch.float32).eval()
     drafter.bind_target(target)
+    hardware = describe_hardware(target.device, target.dtype, drafter.dtype)  # detected now, not typed in
     rows = []
     for name in PROMPT_SETS:
         prompts = load_prompts(name, num_prompts=args.num_prompts, tokenizer=tokenizer)
@@ -53,7 +55,7 @@ def main() -> None:
                 "tokens_per_s": round(summary["tokens_per_s"], 2),
                 "drafting_share": round(summary["drafting_share"], 3),
                 "identical_to_plain_greedy": summary["identical_to_reference"],
-                "hardware": "2 CPU cores, fp32",
+                "hardware": hardware,
             }
         )
         print(json.dumps(rows[-1]))

@@ -3,8 +3,10 @@
     python -m transformers_specblock.commands.regenerate --target_model smollm2-135m-instruct \
         --num_conversations 512 --max_new_tokens 256 --output data/smollm2-sharegpt-regen.jsonl
 
-Writes one JSON line per conversation, `{"id", "conversations": [{"from": "human", ...}, {"from": "gpt", ...}]}`,
-appending and skipping ids already present, so an interrupted run resumes where it stopped.
+Writes one JSON line per conversation, `{"id", "conversations": [{"from": "human", ...}, {"from": "gpt", ...}],
+"regenerated": {"model", "model_id", "prompts", generation settings}}` (training reads the last part to tell the
+model card whether the answers are the target's own), appending and skipping ids already present, so an
+interrupted run resumes where it stopped.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from tqdm.auto import tqdm
 from transformers import HfArgumentParser
 
 from ..hub.assets import load_packaged_model, load_sharegpt_conversations
+from ..hub.provenance import resolve_base_model_id
+from ..training.data import REGENERATED_KEY, regeneration_record
 
 
 @dataclass
@@ -59,6 +63,11 @@ def regenerate(args: RegenerateArguments) -> Path:
     done = set()
     if output.exists():
         done = {json.loads(line)["id"] for line in output.read_text().splitlines() if line.strip()}
+    record = regeneration_record(  # written into every conversation: training reads it for the model card
+        args.target_model, resolve_base_model_id(args.target_model), "sharegpt-train (first human turns)",
+        max_new_tokens=args.max_new_tokens, do_sample=args.do_sample,
+        temperature=args.temperature if args.do_sample else None, seed=args.seed,
+    )  # fmt: skip
     todo = [p for p in first_turn_prompts(tokenizer, args.num_conversations, args.max_prompt_tokens) if p[0] not in done]
     with output.open("a") as sink, tqdm(total=len(todo), desc="regenerating answers") as bar:
         for start in range(0, len(todo), args.batch_size):
@@ -76,7 +85,7 @@ def regenerate(args: RegenerateArguments) -> Path:
             answers = tokenizer.batch_decode(out[:, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
             for (conv_id, question), answer in zip(batch, answers):
                 turns = [{"from": "human", "value": question}, {"from": "gpt", "value": answer.strip()}]
-                sink.write(json.dumps({"id": conv_id, "conversations": turns}) + "\n")
+                sink.write(json.dumps({"id": conv_id, "conversations": turns, REGENERATED_KEY: record}) + "\n")
             sink.flush()
             bar.update(len(batch))
     return output

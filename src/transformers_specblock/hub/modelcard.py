@@ -1,8 +1,11 @@
 """Hub model cards for trained drafters, generated from what the config records (never written by hand).
 
-`TreeDraftModel.save_pretrained` writes `README.md` next to the weights, so `push_to_hub` sends it along. The card
-reads `config.target_name_or_path`, `config.training_info` (command, data, compute, time) and
-`config.eval_results` (measured tau / speed-up per prompt set), each filled in by the training and evaluation code.
+`TreeDraftModel.save_pretrained` writes `README.md` next to the weights, so `push_to_hub` sends it along; the
+``python -m transformers_specblock.commands.card FOLDER`` command rewrites it from a saved ``config.json``. The card
+reads `config.base_model_id` (the target's Hub id, recorded by `from_target` and by training), `config.training_info`
+(command and sessions, detected hardware, data source, license, tokens, time: written by `training.run`) and
+`config.eval_results` (measured tau / speed-up and detected hardware per prompt set: written by the evaluation
+script), each filled in by the code at the time it happened.
 """
 
 from __future__ import annotations
@@ -13,17 +16,20 @@ from typing import Any
 from huggingface_hub import ModelCard, ModelCardData
 
 USAGE = """```python
-import transformers_specblock
+import torch
+import transformers_specblock  # routes generate(assistant_model=<drafter>) into the tree decoding loop
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers_specblock import {cls}
 
-target = AutoModelForCausalLM.from_pretrained("{target}")
-tokenizer = AutoTokenizer.from_pretrained("{target}")
-drafter = {cls}.from_pretrained("{repo}")
+target_id = "{target}"
+dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
+target = AutoModelForCausalLM.from_pretrained(target_id, dtype=dtype, device_map="auto")
+tokenizer = AutoTokenizer.from_pretrained(target_id)
+drafter = {cls}.from_pretrained("{repo}")  # generate() binds it and moves it to the target
 inputs = tokenizer.apply_chat_template([{{"role": "user", "content": "Hello!"}}], add_generation_prompt=True,
-                                       return_tensors="pt", return_dict=True)
+                                       return_tensors="pt", return_dict=True).to(target.device)
 out = target.generate(**inputs, assistant_model=drafter, max_new_tokens=128, do_sample=False)
-print(tokenizer.decode(out[0]), drafter.last_stats.tau)
+print(tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True), drafter.last_stats.tau)
 ```"""
 
 
@@ -32,11 +38,12 @@ EVAL_COLUMNS = ("dataset", "prompts", "max_new_tokens", "tau", "speedup_vs_plain
 
 
 def _table(rows: list[dict[str, Any]]) -> str:
-    """Evaluation rows as a Markdown table: the usual columns first, in a fixed order, then any others."""
+    """Evaluation rows as a Markdown table: the usual columns first, in a fixed order, then any others (sorted: a
+    saved config sorts its keys, so the card must not depend on their order)."""
     if not rows:
         return "_No evaluation recorded yet._"
     seen = dict.fromkeys(key for row in rows for key in row)
-    keys = [k for k in EVAL_COLUMNS if k in seen] + [k for k in seen if k not in EVAL_COLUMNS]
+    keys = [k for k in EVAL_COLUMNS if k in seen] + sorted(k for k in seen if k not in EVAL_COLUMNS)
     lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
     for row in rows:
         cells = [row.get(k, "") for k in keys]
@@ -46,20 +53,31 @@ def _table(rows: list[dict[str, Any]]) -> str:
 
 def build_model_card(drafter: Any, repo_id: str | None = None) -> ModelCard:
     """A Hub model card (YAML metadata + description) for `drafter`, from its config's records."""
-    config = drafter.config
-    cls = type(drafter).__name__
-    target = getattr(config, "target_name_or_path", None) or "unknown-target"
+    num_params = sum(p.numel() for p in drafter.parameters())
+    return model_card_from_config(drafter.config, type(drafter).__name__, num_params, repo_id)
+
+
+def model_card_from_config(config: Any, cls: str, num_params: int, repo_id: str | None = None) -> ModelCard:
+    """The card of a drafter of class `cls` with `num_params` parameters, from nothing but its config's records.
+
+    ``base_model`` is the recorded Hub id of the target (``config.base_model_id``), never a path: without one the
+    card names no base model. ``license`` is the one given at training (``training_info["license"]``), else none.
+    """
+    base_model = getattr(config, "base_model_id", None)
     training: dict[str, Any] = getattr(config, "training_info", None) or {}
     evaluation: list[dict[str, Any]] = getattr(config, "eval_results", None) or []
+    text_type = getattr(config, "target_model_type", None) or "causal LM"
+    shape = f"{config.target_num_hidden_layers} layers, vocabulary {config.vocab_size}"
+    target = base_model or f"a {text_type} target ({shape}; no Hub id recorded)"
     card_data = ModelCardData(
-        base_model=target if target != "unknown-target" else None,
+        base_model=base_model,
         library_name="transformers",
         pipeline_tag="text-generation",
         tags=["speculative-decoding", config.model_type, "draft-model", "transformers-specblock"],
         datasets=training.get("datasets"),
         license=training.get("license"),
     )
-    num_params = sum(p.numel() for p in drafter.parameters())
+    tree = {k: getattr(config, k) for k in TREE_SETTINGS if hasattr(config, k)}
     content = f"""---
 {card_data.to_yaml()}
 ---
@@ -73,11 +91,11 @@ output stays exactly the target's own (greedy) or its distribution (sampling).
 
 - Parameters (without the target embedding): {num_params / 1e6:.1f} M; draft vocabulary
   {getattr(config, "draft_vocab_size", config.vocab_size)} of {config.vocab_size} target tokens.
-- Tree defaults: {json.dumps({k: getattr(config, k) for k in ("block_size", "max_blocks", "tree_top_k", "tree_depth", "tree_budget", "ttt_steps") if hasattr(config, k)})}
+- Tree defaults: {json.dumps(tree)}
 
 ## Usage
 
-{USAGE.format(cls=cls, target=target, repo=repo_id or "path/to/this/folder")}
+{USAGE.format(cls=cls, target=base_model or "path/to/the/target/model", repo=repo_id or "path/to/this/folder")}
 
 ## Training
 
@@ -90,13 +108,28 @@ output stays exactly the target's own (greedy) or its distribution (sampling).
     return ModelCard(content)
 
 
+TREE_SETTINGS = ("block_size", "max_blocks", "tree_top_k", "tree_depth", "tree_budget", "ttt_steps")
+TRAINING_ORDER = ("command", "sessions", "hardware", "data", "self_distilled", "datasets", "license", "train_steps",
+                  "train_tokens", "train_time_minutes", "backfilled")  # fmt: skip
+
+
 def _training_section(training: dict[str, Any]) -> str:
+    """The run's record in a fixed order (`TRAINING_ORDER`, then other keys sorted: a saved config sorts its keys);
+    commands as shell blocks, one per session after a resume."""
     if not training:
         return "_Not trained (freshly initialised weights)._"
     lines = []
-    for key, value in training.items():
+    known = [k for k in TRAINING_ORDER if k in training]
+    for key, value in ((k, training[k]) for k in known + sorted(set(training) - set(known))):
+        if key == "command" and "sessions" in training:
+            continue  # each session shows its own command
         if key == "command":
             lines.append(f"- command:\n\n  ```bash\n  {value}\n  ```")
+        elif key == "sessions":
+            lines.append(f"- sessions: {len(value)} (the run was resumed from a checkpoint)")
+            for i, session in enumerate(value, 1):
+                where = f"steps {session.get('steps', '?')}, {session.get('hardware', 'hardware not recorded')}"
+                lines.append(f"  - session {i}: {where}\n\n    ```bash\n    {session.get('command')}\n    ```")
         else:
             lines.append(f"- {key}: {value}")
     return "\n".join(lines)

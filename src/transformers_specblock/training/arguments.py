@@ -52,6 +52,16 @@ class ModelArguments:
     save_dtype: str = field(
         default="float32", metadata={"help": "dtype of the final drafter weights: float32, bfloat16 or float16."}
     )
+    license: str | None = field(
+        default=None,
+        metadata={"help": "License of the trained drafter for its model card (a Hub license id, e.g. apache-2.0 or "
+                  "mit); without it the card names none."},
+    )
+    base_model_id: str | None = field(
+        default=None,
+        metadata={"help": "Hub id (owner/name) of the target, for the model card's base_model when --target_model is "
+                  "a local folder that does not record one (packaged models and Hub ids are known already)."},
+    )
 
 
 @dataclass

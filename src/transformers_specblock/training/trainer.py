@@ -6,12 +6,38 @@ import time
 from typing import Any
 
 import torch
-from transformers import PreTrainedModel, Trainer
+from transformers import PreTrainedModel, Trainer, TrainerCallback
 from transformers.trainer_utils import EvalLoopOutput
 
 from ..models.specblock.modeling_specblock import SpecBlockDraftModel
 from .features import _target_head, draft_target_logits, target_argmax, target_features
 from .losses import _all_reduce, stats_to_metrics
+
+
+SESSION_KEY = "session"
+"""A `log_history` entry ``{"step": <first step>, "session": {...}}`` opens every training session (the first run
+and each resume): its record (command, detected hardware) lives in the checkpoints' ``trainer_state.json``, so the
+final model card lists every session."""
+
+
+class _SessionRecorder(TrainerCallback):
+    """Appends the trainer's `session_record` to the (restored) log history when a session starts."""
+
+    def __init__(self, trainer: "SpecBlockTrainer") -> None:
+        self.trainer = trainer
+
+    def on_train_begin(self, args, state, control, **kwargs):  # noqa: D102
+        if self.trainer.session_record is not None:
+            state.log_history.append({"step": state.global_step, SESSION_KEY: dict(self.trainer.session_record)})
+
+
+def session_records(log_history: list[dict[str, Any]], final_step: int) -> list[dict[str, Any]]:
+    """The sessions of a run, oldest first, each with the steps it trained (``"<first>-<last>"``)."""
+    starts = [(entry["step"], entry[SESSION_KEY]) for entry in log_history if SESSION_KEY in entry]
+    return [
+        {**record, "steps": f"{start}-{starts[i + 1][0] if i + 1 < len(starts) else final_step}"}
+        for i, (start, record) in enumerate(starts)
+    ]
 
 
 class SpecBlockTrainer(Trainer):
@@ -31,6 +57,8 @@ class SpecBlockTrainer(Trainer):
         self.train_micro_batches = 0  # in this session, this process
         self._session_start = time.perf_counter()
         self._earlier_seconds: float | None = None  # training time of the sessions before a resume
+        self.session_record: dict[str, Any] | None = None  # set by run_training before train()
+        self.add_callback(_SessionRecorder(self))
 
     def followup_offsets(self, training: bool) -> list[int]:
         """M ~ U{1..K} per follow-up block, from a generator seeded by (seed, global step): the same on every
@@ -102,11 +130,17 @@ class SpecBlockTrainer(Trainer):
 
     def training_seconds(self) -> float:
         """Wall-clock training time so far, across resumes: earlier sessions' time comes from the restored log
-        history (up to their last log before the checkpoint)."""
+        history (its last ``train_seconds``: a log or the entry `_save_checkpoint` adds)."""
         if self._earlier_seconds is None:
             logged = (h["train_seconds"] for h in reversed(self.state.log_history) if "train_seconds" in h)
             self._earlier_seconds = next(logged, 0.0)
         return self._earlier_seconds + time.perf_counter() - self._session_start
+
+    def _save_checkpoint(self, model, trial) -> None:  # noqa: D102
+        # the time up to this checkpoint, so a resume from it counts the steps after the last log too
+        seconds = round(self.training_seconds(), 1)
+        self.state.log_history.append({"step": self.state.global_step, "train_seconds": seconds})
+        super()._save_checkpoint(model, trial)
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:  # noqa: D102
         if "loss" in logs:  # a training-progress log: every process calls it

@@ -13,6 +13,7 @@ from transformers import PreTrainedModel
 from transformers import initialization as init
 
 from ...hub.modelcard import build_model_card
+from ...hub.provenance import resolve_base_model_id
 from ...hub.shipped import resolve_drafter_path
 from .configuration_tree_drafter import TreeDrafterConfig
 
@@ -66,6 +67,7 @@ class TreeDraftModel(PreTrainedModel):
         """A freshly initialised drafter sized for `target` (see the config's `from_target_config`)."""
         config = cls.config_class.from_target_config(target.config, **overrides)
         config.target_name_or_path = target.name_or_path or target.config.get_text_config().model_type
+        config.base_model_id = resolve_base_model_id(target.name_or_path)  # a Hub id or None, never a path
         drafter = cls(config).to(device=target.device, dtype=target.dtype).eval()
         drafter.bind_target(target)
         return drafter

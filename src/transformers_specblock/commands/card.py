@@ -1,0 +1,54 @@
+"""Rewrite the model card (``README.md``) of saved drafters from their ``config.json`` records.
+
+    python -m transformers_specblock.commands.card FOLDER [FOLDER ...]          # rewrite README.md
+    python -m transformers_specblock.commands.card --check FOLDER [FOLDER ...]  # exit 1 if a card differs
+
+The card is exactly what `TreeDraftModel.save_pretrained` writes (`hub.modelcard.build_model_card`), so a card is
+never edited by hand: change the records in ``config.json`` (``training_info``, ``eval_results``, ``base_model_id``)
+and run this.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from huggingface_hub import ModelCard
+from transformers import AutoModel
+
+from ..hub.modelcard import build_model_card
+from ..models.tree_drafter.modeling_tree_drafter import TreeDraftModel
+
+
+def card_for_folder(folder: str | Path, repo_id: str | None = None) -> ModelCard:
+    """The generated card of the drafter saved in `folder` (what ``save_pretrained`` would write now)."""
+    drafter = AutoModel.from_pretrained(str(folder))
+    if not isinstance(drafter, TreeDraftModel):
+        raise ValueError(f"{folder} holds a {type(drafter).__name__}, not a transformers-specblock drafter.")
+    return build_model_card(drafter, repo_id=repo_id)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("folders", nargs="+", help="saved drafter folders (config.json + model.safetensors)")
+    parser.add_argument("--check", action="store_true", help="only compare; exit 1 if a README.md differs")
+    parser.add_argument("--repo_id", default=None, help="Hub repository id to name in the card (one folder)")
+    args = parser.parse_args(argv)
+    stale = []
+    for folder in map(Path, args.folders):
+        card, path = card_for_folder(folder, args.repo_id), folder / "README.md"
+        if args.check:
+            if not path.is_file() or path.read_text(encoding="utf-8") != str(card):
+                stale.append(path)
+        else:
+            card.save(path)
+            print(f"wrote {path}")
+    for path in stale:
+        print(f"{path} differs from the card generated from its config.json", file=sys.stderr)
+    return 1 if stale else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,132 @@
+"""What a model card may say about where a drafter came from, detected or recorded when it happens.
+
+* `resolve_base_model_id`: the Hub id of a target model, or None; never a local path.
+* `describe_hardware`: the machine and the torch dtypes a run actually used (CPU model and cores, or GPU name).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import re
+from pathlib import Path
+
+import torch
+from huggingface_hub.errors import HFValidationError
+from huggingface_hub.utils import validate_repo_id
+
+from .assets import PACKAGED_MODELS, default_cache_dir
+
+__all__ = ["describe_device", "describe_hardware", "is_hub_id", "resolve_base_model_id"]
+
+
+def is_hub_id(text: str | None) -> bool:
+    """True for a well-formed ``owner/name`` Hub repository id (syntax only: ``out/drafter`` is one too, so callers
+    check for an existing local folder first)."""
+    if not text or text.count("/") != 1:
+        return False
+    try:
+        validate_repo_id(text)
+    except HFValidationError:
+        return False
+    return True
+
+
+def _hub_cache_id(folder: Path) -> str | None:
+    """``.../models--owner--name/snapshots/<sha>`` (a Hugging Face cache snapshot) -> ``owner/name``."""
+    parts = folder.resolve().parts
+    if len(parts) >= 3 and parts[-2] == "snapshots" and parts[-3].startswith("models--"):
+        candidate = parts[-3][len("models--") :].replace("--", "/", 1)
+        return candidate if is_hub_id(candidate) else None
+    return None
+
+
+def resolve_base_model_id(name_or_path: str | os.PathLike | None, explicit: str | None = None) -> str | None:
+    """The Hub id a target model was published under, or None when it is not known.
+
+    ``explicit`` (``--base_model_id``) wins and must be an ``owner/name`` id. Otherwise: a packaged model name ->
+    the Hub id `PACKAGED_MODELS` records (also for its converted copy in `default_cache_dir`); a local folder -> the
+    Hub id its own ``config.json`` records as ``_name_or_path`` (or its Hugging Face cache location), else None; a
+    string that is no local path and is an ``owner/name`` id -> itself (a model loaded from the Hub). A local path
+    is never returned.
+    """
+    if explicit:
+        if not is_hub_id(explicit):
+            raise ValueError(f"--base_model_id must be a Hub id of the form owner/name, got {explicit!r}.")
+        return explicit
+    if name_or_path is None:
+        return None
+    name = str(name_or_path)
+    if name in PACKAGED_MODELS:
+        return PACKAGED_MODELS[name].hub_id
+    if os.path.isdir(name):
+        folder = Path(name).resolve()
+        if folder.name in PACKAGED_MODELS and folder.parent == (default_cache_dir() / "models").resolve():
+            return PACKAGED_MODELS[folder.name].hub_id  # the converted copy `load_packaged_model` loads
+        recorded = None
+        config_file = Path(name) / "config.json"
+        if config_file.is_file():
+            try:
+                recorded = json.loads(config_file.read_text(encoding="utf-8")).get("_name_or_path")
+            except (OSError, ValueError):
+                recorded = None
+        if isinstance(recorded, str) and is_hub_id(recorded) and not os.path.exists(recorded):
+            return recorded
+        return _hub_cache_id(Path(name))
+    if os.path.exists(name):  # a file, not a model id
+        return None
+    return name if is_hub_id(name) else None
+
+
+def _cpu_name() -> str:
+    info: dict[str, str] = {}
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if not line.strip():
+                    break  # the first processor's block is enough
+                info.setdefault(key.strip(), value.strip())
+    except OSError:
+        pass
+    name = info.get("model name") or platform.processor() or platform.machine() or "unknown CPU"
+    if not re.search(r"\d", name) and "cpu family" in info and "model" in info:  # e.g. a bare "AMD EPYC"
+        name += f" (family {info['cpu family']} model {info['model']})"
+    return name
+
+
+def _usable_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def describe_device(device: torch.device | str | None = None, num_processes: int = 1) -> str:
+    """The hardware behind ``device``: GPU name (times the processes), or CPU model and usable cores."""
+    device = torch.device(device) if device is not None else torch.device("cpu")
+    if device.type == "cuda" and torch.cuda.is_available():
+        name = torch.cuda.get_device_name(device)
+        return f"{num_processes} x {name}" if num_processes > 1 else name
+    if device.type != "cpu":
+        return f"{device.type} device" + (f" x {num_processes}" if num_processes > 1 else "")
+    text = f"{_cpu_name()}, {_usable_cores()} cores"
+    return text + (f" ({num_processes} processes)" if num_processes > 1 else "")
+
+
+def _dtype_name(dtype: torch.dtype | str) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def describe_hardware(
+    device: torch.device | str | None,
+    target_dtype: torch.dtype | str,
+    drafter_dtype: torch.dtype | str,
+    num_processes: int = 1,
+    mixed_precision: str | None = None,
+) -> str:
+    """One line for a card: ``"<device>; target <dtype>, drafter <dtype>[ (<mixed> mixed precision)]"``."""
+    text = describe_device(device, num_processes)
+    text += f"; target {_dtype_name(target_dtype)}, drafter {_dtype_name(drafter_dtype)}"
+    return text + (f" ({mixed_precision} mixed precision)" if mixed_precision else "")
