@@ -1,0 +1,206 @@
+"""Model cards come from records the code writes when things happen: the license given at training, the base
+model's recorded Hub id (never a local path), the hardware detected at training time, the data source read from
+the data itself, every training session; and the shipped cards are exactly what the generator makes of their
+config."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from huggingface_hub import ModelCard
+
+from conftest import make_drafter, make_target
+from test_training import common_args, make_tokenizer, write_conversations
+from transformers_specblock import SpecBlockDraftModel
+from transformers_specblock.commands.card import card_for_folder
+from transformers_specblock.commands.card import main as card_main
+from transformers_specblock.commands.cli import train_main
+from transformers_specblock.hub import provenance
+from transformers_specblock.hub.provenance import describe_device, describe_hardware, resolve_base_model_id
+from transformers_specblock.training.data import REGENERATED_KEY, describe_training_data, regeneration_record
+
+ROOT = Path(__file__).resolve().parents[1]
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def ws(tmp_path_factory):
+    """A tiny random Llama target saved in a local folder that records no Hub id, and a small chat file."""
+    root = tmp_path_factory.mktemp("cards")
+    make_target("llama", vocab_size=128).save_pretrained(root / "target")
+    make_tokenizer().save_pretrained(root / "target")
+    return {"root": root, "target": str(root / "target"), "data": str(write_conversations(root / "chats.jsonl", 8))}
+
+
+def train(ws, out, *extra):
+    train_main(common_args(ws, out, "--max_steps", "1", *extra))
+    return ModelCard.load(out / "README.md"), json.loads((out / "config.json").read_text())
+
+
+def yaml_of(card: ModelCard) -> str:
+    return str(card).split("\n---\n", 1)[0]
+
+
+# ------------------------------------------------------------------------------------------------ license
+def test_license_is_the_one_given_at_training_and_survives_a_resume(ws):
+    out = ws["root"] / "mit"
+    card, config = train(ws, out, "--license", "mit", "--save_strategy", "steps", "--save_steps", "1")
+    assert card.data.license == "mit" and "license: mit" in yaml_of(card)
+    assert config["training_info"]["license"] == "mit"
+    # a resume without --license keeps it, and the card lists both sessions with their own commands
+    args = common_args(ws, out, "--max_steps", "2", "--resume_from_checkpoint", str(out / "checkpoint-1"))
+    train_main(args)
+    card, config = ModelCard.load(out / "README.md"), json.loads((out / "config.json").read_text())
+    info = config["training_info"]
+    assert card.data.license == "mit"
+    assert [s["steps"] for s in info["sessions"]] == ["0-1", "1-2"]
+    assert "--license mit" in info["sessions"][0]["command"] and "--resume_from_checkpoint" in info["command"]
+    assert info["train_steps"] == 2 and "session 2: steps 1-2" in card.text
+
+
+def test_no_license_field_without_the_argument(ws):
+    card, config = train(ws, ws["root"] / "nolicense")
+    assert card.data.license is None and "license" not in yaml_of(card)
+    assert "license" not in config["training_info"]
+
+
+# ------------------------------------------------------------------------------------------------ base model
+def test_base_model_is_a_recorded_hub_id_never_a_local_path(ws):
+    card, config = train(ws, ws["root"] / "local")  # a local folder that records no Hub id
+    assert card.data.base_model is None and config["base_model_id"] is None
+    before_training = card.text.split("## Training")[0]  # the recorded command may name local paths; nothing else
+    assert ws["target"] not in before_training and str(ws["root"]) not in yaml_of(card)
+    card, config = train(ws, ws["root"] / "explicit", "--base_model_id", "org/tiny-llama")
+    assert card.data.base_model == "org/tiny-llama" and config["base_model_id"] == "org/tiny-llama"
+    assert 'target_id = "org/tiny-llama"' in card.text and 'dtype=dtype, device_map="auto"' in card.text
+    with pytest.raises(ValueError, match="owner/name"):
+        train(ws, ws["root"] / "bad_id", "--base_model_id", str(ws["root"] / "target"))
+
+
+def test_resolve_base_model_id(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert resolve_base_model_id("smollm2-135m-instruct") == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert resolve_base_model_id("Qwen/Qwen2.5-0.5B") == "Qwen/Qwen2.5-0.5B"  # a Hub id, no such local folder
+    folder = tmp_path / "out" / "target"
+    folder.mkdir(parents=True)
+    assert resolve_base_model_id("out/target") is None  # shaped like owner/name, but a local folder
+    assert resolve_base_model_id(str(folder)) is None
+    (folder / "config.json").write_text(json.dumps({"_name_or_path": "org/recorded"}))
+    assert resolve_base_model_id(str(folder)) == "org/recorded"  # what the folder's config records
+    (folder / "config.json").write_text(json.dumps({"_name_or_path": "/home/someone/model"}))
+    assert resolve_base_model_id(str(folder)) is None
+    snapshot = tmp_path / "hub" / "models--org--cached" / "snapshots" / "abc123"
+    snapshot.mkdir(parents=True)
+    assert resolve_base_model_id(str(snapshot)) == "org/cached"
+    assert resolve_base_model_id(str(folder), explicit="org/given") == "org/given"
+    # from_target records it too: the target's name_or_path is a local path here
+    target = make_target("llama")
+    target.name_or_path = str(folder)
+    assert make_drafter(target).config.base_model_id is None
+    target.name_or_path = "org/hub-target"
+    drafter = make_drafter(target)
+    assert drafter.config.base_model_id == "org/hub-target"
+    drafter.save_pretrained(tmp_path / "d")
+    assert ModelCard.load(tmp_path / "d" / "README.md").data.base_model == "org/hub-target"
+
+
+# ------------------------------------------------------------------------------------------------ hardware
+def test_hardware_is_detected_at_training_time(ws, monkeypatch):
+    _, config = train(ws, ws["root"] / "hw")
+    expected = describe_hardware("cpu", torch.float32, torch.float32)
+    assert config["training_info"]["hardware"] == expected
+    cpu = describe_device("cpu")
+    assert cpu.startswith(provenance._cpu_name()) and f", {provenance._usable_cores()} cores" in cpu
+    assert expected == f"{cpu}; target float32, drafter float32"
+    # the CPU's own name, not a typed-in one
+    monkeypatch.setattr(provenance, "_cpu_name", lambda: "Test CPU 9000")
+    monkeypatch.setattr(provenance, "_usable_cores", lambda: 7)
+    assert describe_hardware("cpu", torch.bfloat16, torch.float32, mixed_precision="bf16") == (
+        "Test CPU 9000, 7 cores; target bfloat16, drafter float32 (bf16 mixed precision)"
+    )
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA Test GPU")
+    assert describe_device("cuda:0") == "NVIDIA Test GPU"
+    assert describe_device(torch.device("cuda", 0), num_processes=4) == "4 x NVIDIA Test GPU"
+
+
+# ------------------------------------------------------------------------------------------------ data
+def _write(path: Path, records: list[dict]) -> str:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return str(path)
+
+
+def test_data_record_says_whether_answers_were_regenerated_by_the_target(tmp_path):
+    turns = [{"from": "human", "value": "q"}, {"from": "gpt", "value": "a"}]
+    own = regeneration_record("smollm2-135m-instruct", "HuggingFaceTB/SmolLM2-135M-Instruct", "sharegpt-train",
+                              max_new_tokens=8, do_sample=False)  # fmt: skip
+    other = regeneration_record("big-model", "org/big", "sharegpt-train", max_new_tokens=8, do_sample=False)
+    target, target_id = "smollm2-135m-instruct", "HuggingFaceTB/SmolLM2-135M-Instruct"
+
+    sharegpt = describe_training_data("sharegpt", 100, 512, target, target_id)
+    assert sharegpt["self_distilled"] is False and "NOT responses regenerated by the target" in sharegpt["data"]
+    assert sharegpt["datasets"] == ["anon8231489123/ShareGPT_Vicuna_unfiltered"]
+
+    mine = _write(tmp_path / "own.jsonl", [{"id": str(i), "conversations": turns, REGENERATED_KEY: own} for i in "ab"])
+    record = describe_training_data(mine, None, 64, target, target_id)
+    assert record["self_distilled"] is True and "regenerated by the target itself" in record["data"]
+    assert record["datasets"] == ["anon8231489123/ShareGPT_Vicuna_unfiltered"]  # the prompts' source
+    assert str(tmp_path) not in record["data"]  # the file's name, not its local path
+
+    theirs = _write(tmp_path / "other.jsonl", [{"id": "a", "conversations": turns, REGENERATED_KEY: other}])
+    record = describe_training_data(theirs, None, 64, target, target_id)
+    assert record["self_distilled"] is False and "another model (org/big)" in record["data"]
+
+    mixed = [{"id": "a", "conversations": turns, REGENERATED_KEY: own}, {"id": "b", "conversations": turns}]
+    record = describe_training_data(_write(tmp_path / "mixed.jsonl", mixed), None, 64, target, target_id)
+    assert record["self_distilled"] is False and "1 answers regenerated by the target itself" in record["data"]
+    plain = describe_training_data(_write(tmp_path / "plain.jsonl", mixed[1:]), None, 64, target, target_id)
+    assert plain["self_distilled"] is False and "records no regeneration" in plain["data"]
+    assert plain["datasets"] is None
+
+
+# ------------------------------------------------------------------------------------------------ shipped cards
+def shipped_folders() -> list[Path]:
+    """The shipped drafters, wherever the checkout keeps them (package data, or models/ of older checkouts)."""
+    configs = [*ROOT.glob("src/transformers_specblock/**/config.json"), *ROOT.glob("models/*/config.json")]
+    return sorted({c.parent for c in configs if (c.parent / "model.safetensors").is_file()})
+
+
+def test_shipped_cards_are_what_the_generator_makes_of_their_config(tmp_path):
+    folders = shipped_folders()
+    assert len(folders) >= 2, folders  # the SpecBlock and the EAGLE-3 drafter
+    for folder in folders:
+        generated = str(card_for_folder(folder))
+        assert (folder / "README.md").read_text(encoding="utf-8") == generated, (
+            f"{folder}/README.md is not the generated card: run python -m transformers_specblock.commands.card {folder}"
+        )
+        config = json.loads((folder / "config.json").read_text())
+        info = config["training_info"]
+        assert config["base_model_id"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
+        assert info["self_distilled"] is False and "NOT responses regenerated" in info["data"]
+        assert "backfilled" in info and "backfilled" in generated  # the card says what was filled in afterwards
+        assert "license" not in info  # none was given at training
+        assert all(row["hardware"].endswith("; target float32, drafter float32") for row in config["eval_results"])
+    assert card_main(["--check", *map(str, folders)]) == 0
+    # --check notices a hand edit
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    for name in ("config.json", "model.safetensors", "README.md"):
+        (copy / name).write_bytes((folders[0] / name).read_bytes())
+    (copy / "README.md").write_text((copy / "README.md").read_text() + "\nedited by hand\n")
+    assert card_main(["--check", str(copy)]) == 1
+    assert card_main([str(copy)]) == 0 and card_main(["--check", str(copy)]) == 0
+
+
+def test_saved_card_equals_the_folder_card(tmp_path):
+    drafter = make_drafter(make_target("llama"))
+    # keys out of alphabetical order: the saved config.json sorts them, the card must not change
+    drafter.config.training_info = {"train_steps": 3, "zeta": 1, "command": "specblock-train ...", "license": "mit"}
+    drafter.config.eval_results = [{"tau": 1.5, "zz": 2, "dataset": "d", "backfilled": "hardware"}]
+    drafter.save_pretrained(tmp_path)
+    assert (tmp_path / "README.md").read_text() == str(card_for_folder(tmp_path))
+    assert SpecBlockDraftModel.from_pretrained(tmp_path).config.training_info["license"] == "mit"
