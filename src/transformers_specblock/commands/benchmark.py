@@ -19,8 +19,12 @@ import datasets
 import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from transformers.utils import logging
 
 from ..models.tree_drafter.modeling_tree_drafter import TreeDraftModel
+from ..utils import import_pyplot
+
+logger = logging.get_logger(__name__)
 
 REFERENCE = "plain"
 
@@ -225,13 +229,17 @@ def run_benchmark(
 
 
 def write_report(results: BenchmarkResults, output_dir: str | Path) -> None:
-    """results.json, results.md (tables) and figures (speed-up / tau per category; time split per iteration)."""
+    """results.json, results.md (tables) and figures (speed-up / tau per category; time split per iteration; skipped
+    with a warning when matplotlib, the ``plot`` extra, is not installed)."""
     output_dir = Path(output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     payload = results.payload()
     (output_dir / "results.json").write_text(json.dumps(payload, indent=2))
     (output_dir / "results.md").write_text(markdown_tables(payload))
-    plot_results(payload, output_dir)
+    try:
+        plot_results(payload, output_dir)
+    except ImportError as error:
+        logger.warning(f"No figures in {output_dir} (results.json and results.md are written): {error}")
 
 
 def markdown_tables(payload: dict[str, Any]) -> str:
@@ -258,11 +266,7 @@ def _fmt(value: Any) -> str:
 
 
 def plot_results(payload: dict[str, Any], output_dir: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = import_pyplot()
     categories = list(payload["per_category"])
     methods = [m for m in payload["methods"] if m != REFERENCE]
     fig, axes = plt.subplots(1, 2, figsize=(12, 4))

@@ -19,6 +19,7 @@ from ..models.eagle3.configuration_eagle3 import Eagle3Config
 from ..models.eagle3.modeling_eagle3 import Eagle3DraftModel
 from ..models.specblock.configuration_specblock import SpecBlockConfig
 from ..models.specblock.modeling_specblock import SpecBlockDraftModel
+from ..utils import import_pyplot
 from .arguments import (
     _DTYPES,
     DataArguments,
@@ -187,11 +188,7 @@ def record_training_info(drafter: SpecBlockDraftModel, info: dict[str, Any]) -> 
 
 def plot_learning_curve(log_history: list[dict[str, Any]], path: str | os.PathLike) -> None:
     """Training loss, per-slot top-1 accuracy and the chain acceptance estimate against the step (a PNG)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = import_pyplot()  # matplotlib is the optional `plot` extra
     logs = [e for e in log_history if "loss" in e and "step" in e]
     if not logs:
         return
@@ -315,7 +312,10 @@ def run_training(
         trainer.save_metrics("train", metrics)
         trainer.save_state()
         save_drafter(trainer.accelerator.unwrap_model(trainer.model), training_args.output_dir, save_dtype)
-        plot_learning_curve(trainer.state.log_history, os.path.join(training_args.output_dir, "learning_curve.png"))
+        try:
+            plot_learning_curve(trainer.state.log_history, os.path.join(training_args.output_dir, "learning_curve.png"))
+        except ImportError as error:  # the drafter and metrics are saved; only the figure is missing
+            logger.warning(f"No learning_curve.png: {error}")
         logger.warning(f"Saved the drafter ({model_args.save_dtype}) to {training_args.output_dir}.")
     trainer.final_metrics = metrics
     return trainer
