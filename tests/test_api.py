@@ -14,6 +14,7 @@ from transformers.generation.streamers import BaseStreamer
 
 import transformers_specblock
 from conftest import make_drafter, make_target
+from deep_oracle import install_deep_oracle
 from transformers_specblock import CUSTOM_GENERATE_DIR, SpecBlockConfig, SpecBlockDraftModel, SpecBlockStats
 from transformers_specblock.generation import integration as specblock_generation
 
@@ -50,6 +51,27 @@ def make_oracle(target) -> SpecBlockDraftModel:
 @pytest.fixture(scope="module")
 def oracle(target):
     return make_oracle(target)
+
+
+@pytest.fixture(scope="module")
+def deep_drafter(target):
+    """A real SpecBlock drafter (3 slots of width 2 per block, block 1 + one round of follow-up blocks) that
+    `use_deep_oracle` turns into an oracle: its trees also hold the target's greedy continuation 1-4 tokens deep."""
+    return make_drafter(target, block_size=3, max_blocks=2, tree_policy="fixed", fixed_width=2, tree_budget=24)
+
+
+def use_deep_oracle(monkeypatch, target, drafter, prompt=PROMPT, **kwargs):
+    """Graft the target's own greedy continuation of `prompt` (under `kwargs`: the same logits processors) into
+    `drafter`'s trees for the next `generate` calls (see tests/deep_oracle.py)."""
+    reference = greedy(target, prompt, max_new_tokens=40, **kwargs)[0]
+    return install_deep_oracle(monkeypatch, drafter, reference)
+
+
+def assert_deep_chunks(drafter, generators) -> None:
+    """Chunks of 3+ tokens were really committed, and the trees really held follow-up blocks."""
+    accepted = drafter.last_stats.accepted_per_iteration
+    assert max(accepted) >= 3 and sum(a >= 3 for a in accepted) >= 2, accepted
+    assert generators and max(b for g in generators for b in g.stats.blocks_per_iteration) > 1
 
 
 def greedy(model, input_ids=PROMPT, max_new_tokens=9, **kwargs):
@@ -321,19 +343,25 @@ def test_patched_route_uses_tree_decoding(target, oracle):
 # -------------------------------------------------------------------------------------------------------------------
 # Scores and logits
 # -------------------------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("kind", ["oracle", "random"])
+@pytest.mark.parametrize("kind", ["deep", "random"])
 @pytest.mark.parametrize("route", ["patched", "function"])
 @pytest.mark.parametrize("repetition_penalty", [None, 1.3], ids=["plain", "rep1.3"])
-def test_scores_and_logits_match_stock(target, drafter, oracle, kind, route, repetition_penalty):
-    assistant = oracle if kind == "oracle" else drafter
-    kwargs = dict(return_dict_in_generate=True, output_scores=True, output_logits=True, max_new_tokens=9)
+def test_scores_and_logits_match_stock(
+    target, drafter, deep_drafter, monkeypatch, kind, route, repetition_penalty
+):
+    assistant = deep_drafter if kind == "deep" else drafter
+    kwargs = dict(return_dict_in_generate=True, output_scores=True, output_logits=True, max_new_tokens=12)
     if repetition_penalty is not None:
         kwargs["repetition_penalty"] = repetition_penalty
+    if kind == "deep":  # the oracle follows the penalised greedy continuation: chunks of 3+ tokens get accepted
+        generators = use_deep_oracle(monkeypatch, target, assistant, repetition_penalty=repetition_penalty)
     stock = greedy(target, **kwargs)
     out = _run_route(route, target, assistant, **kwargs)
+    if kind == "deep":
+        assert_deep_chunks(assistant, generators)
     assert torch.equal(out.sequences, stock.sequences)
     new = out.sequences.shape[1] - PROMPT.shape[1]
-    assert new == 9
+    assert new == 12
     assert len(out.scores) == len(out.logits) == new
     for score, logit, ref_score, ref_logit in zip(out.scores, out.logits, stock.scores, stock.logits):
         assert score.shape == (1, VOCAB) and logit.shape == (1, VOCAB)
@@ -346,11 +374,20 @@ def test_scores_and_logits_match_stock(target, drafter, oracle, kind, route, rep
         assert any(not torch.allclose(s, l) for s, l in zip(out.scores, out.logits))
 
 
-def test_scores_only_and_logits_only(target, oracle):
-    scores_only = greedy(target, assistant_model=oracle, return_dict_in_generate=True, output_scores=True)
-    assert scores_only.logits is None and len(scores_only.scores) == 9
-    logits_only = greedy(target, assistant_model=oracle, return_dict_in_generate=True, output_logits=True)
-    assert logits_only.scores is None and len(logits_only.logits) == 9
+def test_scores_only_and_logits_only(target, deep_drafter, monkeypatch):
+    generators = use_deep_oracle(monkeypatch, target, deep_drafter)
+    stock = greedy(target, return_dict_in_generate=True, output_scores=True, max_new_tokens=12)
+    scores_only = greedy(
+        target, assistant_model=deep_drafter, return_dict_in_generate=True, output_scores=True, max_new_tokens=12
+    )
+    assert_deep_chunks(deep_drafter, generators)
+    assert scores_only.logits is None and len(scores_only.scores) == 12
+    for score, ref in zip(scores_only.scores, stock.scores):
+        torch.testing.assert_close(score, ref, atol=1e-4, rtol=0)
+    logits_only = greedy(
+        target, assistant_model=deep_drafter, return_dict_in_generate=True, output_logits=True, max_new_tokens=12
+    )
+    assert logits_only.scores is None and len(logits_only.logits) == 12
 
 
 # -------------------------------------------------------------------------------------------------------------------
@@ -370,20 +407,26 @@ class RecordingStreamer(BaseStreamer):
 
 
 @pytest.mark.parametrize("route", ["patched", "function", "custom_generate"])
-@pytest.mark.parametrize("kind", ["oracle", "random"])
-def test_streamer_sees_prompt_then_chunks(target, drafter, oracle, route, kind):
-    assistant = oracle if kind == "oracle" else drafter
+@pytest.mark.parametrize("kind", ["deep", "random"])
+def test_streamer_sees_prompt_then_chunks(target, drafter, deep_drafter, monkeypatch, route, kind):
+    assistant = deep_drafter if kind == "deep" else drafter
+    generators = use_deep_oracle(monkeypatch, target, assistant) if kind == "deep" else None
     streamer = RecordingStreamer()
-    out = _run_route(route, target, assistant, max_new_tokens=8, streamer=streamer)
-    assert torch.equal(out, greedy(target, max_new_tokens=8))
+    out = _run_route(route, target, assistant, max_new_tokens=10, streamer=streamer)
+    assert torch.equal(out, greedy(target, max_new_tokens=10))
     assert streamer.ends == 1
     assert len(streamer.puts) >= 2
     assert torch.equal(streamer.puts[0].reshape(-1), PROMPT[0])
     chunks = [p.reshape(-1) for p in streamer.puts[1:]]
-    assert all(c.numel() >= 1 for c in chunks)
     assert torch.equal(torch.cat(chunks), out[0, PROMPT.shape[1] :])
-    if kind == "oracle":  # accepted drafts arrive as multi-token chunks
-        assert max(c.numel() for c in chunks) == 2
+    # one put for the prefill's token, then one per verification holding exactly what it committed (the last
+    # one cut where max_new_tokens stops inside it)
+    accepted = assistant.last_stats.accepted_per_iteration
+    assert [c.numel() for c in chunks[:-1]] == [1, *accepted[:-1]]
+    assert 1 <= chunks[-1].numel() <= accepted[-1]
+    if kind == "deep":  # accepted drafts arrive as chunks of 3+ tokens: 1 + 4 + 2 + (3 of 5)
+        assert_deep_chunks(assistant, generators)
+        assert [c.numel() for c in chunks] == [1, 4, 2, 3]
 
 
 def test_stock_streamer_unchanged(target):
@@ -399,11 +442,12 @@ def test_stock_streamer_unchanged(target):
 # -------------------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     "kind, max_new_tokens, exact",
-    [("random", 7, True), ("oracle", 9, True), ("oracle", 8, False)],
-    ids=["random-exact", "oracle-exact", "oracle-stops-mid-chunk"],
+    [("random", 7, True), ("deep", 12, True), ("deep", 10, False)],
+    ids=["random-exact", "deep-exact", "deep-stops-mid-chunk"],
 )
-def test_last_stats_consistency(target, drafter, oracle, kind, max_new_tokens, exact):
-    assistant = oracle if kind == "oracle" else drafter
+def test_last_stats_consistency(target, drafter, deep_drafter, monkeypatch, kind, max_new_tokens, exact):
+    assistant = deep_drafter if kind == "deep" else drafter
+    generators = use_deep_oracle(monkeypatch, target, assistant) if kind == "deep" else None
     previous = assistant.last_stats
     out = greedy(target, assistant_model=assistant, max_new_tokens=max_new_tokens)
     stats = assistant.last_stats
@@ -428,8 +472,9 @@ def test_last_stats_consistency(target, drafter, oracle, kind, max_new_tokens, e
     as_dict = stats.as_dict()
     assert as_dict["tau"] == stats.tau and as_dict["drafting_share"] == stats.drafting_share
     assert as_dict["accepted_per_iteration"] == stats.accepted_per_iteration
-    if kind == "oracle":
-        assert stats.tau > 1.5
+    if kind == "deep":  # chunks of 4, 2 and 5 tokens (the last one cut to 3 when stopping mid-chunk)
+        assert_deep_chunks(assistant, generators)
+        assert stats.accepted_per_iteration == [4, 2, 5] and stats.tau > 3
 
 
 # -------------------------------------------------------------------------------------------------------------------
@@ -457,9 +502,11 @@ def test_device_map_loaded_target(saved_target_dir, target, device_map):
 
 
 @pytest.mark.parametrize("route", ["patched", "function", "custom_generate"])
-@pytest.mark.parametrize("kind", ["oracle", "random"])
-def test_left_padding_batch_of_one(target, drafter, oracle, route, kind):
-    assistant = oracle if kind == "oracle" else drafter
+@pytest.mark.parametrize("kind", ["deep", "random"])
+def test_left_padding_batch_of_one(target, drafter, deep_drafter, monkeypatch, route, kind):
+    assistant = deep_drafter if kind == "deep" else drafter
+    # the oracle knows only the unpadded prompt's continuation: it is accepted only if the padding is ignored
+    generators = use_deep_oracle(monkeypatch, target, assistant) if kind == "deep" else None
     padded = torch.cat([torch.tensor([[3, 3, 3]]), PROMPT], dim=1)
     mask = torch.cat([torch.zeros(1, 3, dtype=torch.long), torch.ones_like(PROMPT)], dim=1)
     expected = target.generate(padded, attention_mask=mask, max_new_tokens=8, do_sample=False)
@@ -479,30 +526,45 @@ def test_left_padding_batch_of_one(target, drafter, oracle, route, kind):
     assert torch.equal(out[:, padded.shape[1] :], expected[:, padded.shape[1] :])
     # the padding is really ignored: the new tokens equal the unpadded prompt's
     assert torch.equal(out[:, padded.shape[1] :], greedy(target, max_new_tokens=8)[:, PROMPT.shape[1] :])
+    if kind == "deep":
+        assert_deep_chunks(assistant, generators)
 
 
-def test_left_padding_with_different_pad_tokens_is_ignored(target, oracle):
+def test_left_padding_with_different_pad_tokens_is_ignored(target, deep_drafter, monkeypatch):
+    generators = use_deep_oracle(monkeypatch, target, deep_drafter)
     mask = torch.cat([torch.zeros(1, 3, dtype=torch.long), torch.ones_like(PROMPT)], dim=1)
-    outs = [
-        greedy(target, torch.cat([torch.tensor([pads]), PROMPT], 1), 8, attention_mask=mask, assistant_model=oracle)
-        for pads in ([3, 3, 3], [90, 1, 44])
-    ]
+    outs, accepted = [], []
+    for pads in ([3, 3, 3], [90, 1, 44]):
+        padded = torch.cat([torch.tensor([pads]), PROMPT], 1)
+        outs.append(greedy(target, padded, 12, attention_mask=mask, assistant_model=deep_drafter))
+        assert_deep_chunks(deep_drafter, generators)
+        accepted.append(deep_drafter.last_stats.accepted_per_iteration)
     assert torch.equal(outs[0][:, 9:], outs[1][:, 9:])
+    assert torch.equal(outs[0][:, 9:], greedy(target, max_new_tokens=12)[:, PROMPT.shape[1] :])
+    assert accepted[0] == accepted[1] == [4, 2, 5]
 
 
 # -------------------------------------------------------------------------------------------------------------------
 # Stopping mid-chunk (eos) matches stock
 # -------------------------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("position", [2, 3])  # the 2nd token of a 2-token chunk / the 1st token of a chunk
-def test_eos_inside_a_chunk(target, oracle, position):
-    reference = greedy(target, max_new_tokens=8)
+# new tokens 0 | 1 2 3 4 | 5 6 | 7 8 9 10 11: the prefill's token, then the deep oracle's chunks of 4, 2 and 5
+@pytest.mark.parametrize("position, chunks", [(2, [2]), (4, [4]), (5, [4, 1]), (9, [4, 2, 3])],
+                         ids=["2nd-of-4", "last-of-4", "1st-of-2", "3rd-of-5"])  # fmt: skip
+def test_eos_inside_a_chunk(target, deep_drafter, monkeypatch, position, chunks):
+    generators = use_deep_oracle(monkeypatch, target, deep_drafter)
+    reference = greedy(target, max_new_tokens=12)
     eos = int(reference[0, PROMPT.shape[1] + position])
     assert eos not in reference[0, PROMPT.shape[1] : PROMPT.shape[1] + position].tolist()
-    stock = greedy(target, max_new_tokens=8, eos_token_id=eos, pad_token_id=1)
-    out = greedy(target, max_new_tokens=8, eos_token_id=eos, pad_token_id=1, assistant_model=oracle)
+    stock = greedy(target, max_new_tokens=12, eos_token_id=eos, pad_token_id=1)
+    streamer = RecordingStreamer()
+    out = greedy(target, max_new_tokens=12, eos_token_id=eos, pad_token_id=1, assistant_model=deep_drafter,
+                 streamer=streamer)  # fmt: skip
     assert torch.equal(out, stock)
     assert out.shape[1] == PROMPT.shape[1] + position + 1 and int(out[0, -1]) == eos
-    assert oracle.last_stats.new_tokens == position + 1
+    stats = deep_drafter.last_stats
+    assert stats.new_tokens == position + 1
+    assert [p.numel() for p in streamer.puts[2:]] == chunks  # nothing after the eos was streamed
+    assert stats.accepted_per_iteration == [4, 2, 5][: len(chunks)] and generators[0].grafted
 
 
 # -------------------------------------------------------------------------------------------------------------------
@@ -532,24 +594,45 @@ def test_bfloat16_target_generate():
     assert assistant.last_stats.new_tokens == 8
 
 
-def test_mistral_target_short_prompt():
+def tiny_mistral(**overrides):
     torch.manual_seed(0)
     config = transformers.MistralConfig(
         vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
         num_key_value_heads=2, initializer_range=0.2, bos_token_id=0, eos_token_id=None, pad_token_id=None,
+        **overrides,
     )  # fmt: skip
-    assert config.sliding_window is not None and config.sliding_window > 100
     mistral = transformers.MistralForCausalLM(config).eval()
     mistral.config._attn_implementation = "sdpa"
-    assistant = SpecBlockDraftModel.from_target(mistral, tree_budget=16)
+    return mistral
+
+
+def test_mistral_target_inside_its_window_decodes_exactly(monkeypatch):
+    """Sliding-window target, whole generation inside the window: decoded (with a full-attention cache) exactly,
+    multi-token chunks included (docs/design.md, Known limits)."""
+    mistral = tiny_mistral()
+    assert mistral.config.sliding_window == 4096
+    assistant = SpecBlockDraftModel.from_target(mistral, block_size=3, max_blocks=2, tree_policy="fixed",
+                                                fixed_width=2, tree_budget=16)  # fmt: skip
+    generators = use_deep_oracle(monkeypatch, mistral, assistant)
     streamer = RecordingStreamer()
-    try:
-        out = greedy(mistral, assistant_model=assistant, max_new_tokens=8, streamer=streamer)
-    except ValueError as error:  # an acceptable fix: refuse sliding-window caches before decoding starts
-        assert "sliding" in str(error).lower()
-        assert streamer.puts == [] or len(streamer.puts) == 1  # nothing generated was streamed
-        return
-    assert torch.equal(out, greedy(mistral, max_new_tokens=8))
+    out = greedy(mistral, assistant_model=assistant, max_new_tokens=12, streamer=streamer)
+    assert torch.equal(out, greedy(mistral, max_new_tokens=12))
+    assert_deep_chunks(assistant, generators)
+    assert torch.equal(torch.cat([p.reshape(-1) for p in streamer.puts[1:]]), out[0, PROMPT.shape[1] :])
+
+
+def test_mistral_target_beyond_its_window_is_refused():
+    mistral = tiny_mistral(sliding_window=16)  # prompt 6 + 8 new tokens + a 16-node tree do not fit in 16
+    assistant = SpecBlockDraftModel.from_target(mistral, tree_budget=16)
+    assistant.last_stats = None
+    streamer = RecordingStreamer()
+    with pytest.raises(ValueError, match=r"sliding-window attention \(window 16\).*\(14 \+ 16\)"):
+        greedy(mistral, assistant_model=assistant, max_new_tokens=8, streamer=streamer)
+    # refused before anything was decoded: generate() streamed only the prompt
+    assert [p.reshape(-1).tolist() for p in streamer.puts] == [PROMPT[0].tolist()] and assistant.last_stats is None
+    with assistant.tree_settings(tree_budget=2):  # 14 + 2 fits: decoded, exactly
+        out = greedy(mistral, assistant_model=assistant, max_new_tokens=8)
+    assert torch.equal(out, greedy(mistral, max_new_tokens=8)) and assistant.last_stats.new_tokens == 8
 
 
 def test_model_card_evaluation_table_has_a_fixed_column_order():
