@@ -135,7 +135,8 @@ def tree_speculative_decoding(
     raw = prompt.logits[:, -1].float()
     processed = logits_processor(input_ids, raw.clone())
     token = torch.multinomial(processed.softmax(-1), 1)[0] if generation_config.do_sample else processed.argmax(-1)
-    features = torch.cat([prompt.hidden_states[i][0] for i in feature_layers], dim=-1)[prefix_visible]
+    features = torch.cat([prompt.hidden_states[i][0].to(model.device) for i in feature_layers], dim=-1)
+    features = features[prefix_visible]
     next_position = int(prefix_visible.sum())  # rotary position of the first generated token
     prompt_length = input_ids.shape[1]
     input_ids, kept, done = _commit(input_ids, token.to(input_ids.device), stopping_criteria, processed, streamer)

@@ -41,5 +41,6 @@ def verify_tree(
         use_cache=True,
         output_hidden_states=feature_layers,
     )
-    features = torch.cat([outputs.hidden_states[i][0] for i in feature_layers], dim=-1)
+    # layers of a target spread with device_map may return their states on other devices: gather them on one
+    features = torch.cat([outputs.hidden_states[i][0].to(device) for i in feature_layers], dim=-1)
     return Verification(logits=outputs.logits[0].float(), features=features)

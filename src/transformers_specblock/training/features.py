@@ -50,7 +50,8 @@ def target_features(
         output_hidden_states=list(layer_ids),
         use_cache=False,
     )
-    features = torch.cat([out.hidden_states[i] for i in layer_ids], dim=-1)
+    # a target spread over devices (device_map) returns each layer's state on that layer's device
+    features = torch.cat([out.hidden_states[i].to(target.device) for i in layer_ids], dim=-1)
     return features, out.last_hidden_state
 
 
@@ -60,7 +61,7 @@ def target_argmax(final_hidden: torch.Tensor, weight: torch.Tensor, chunk: int =
     flat = final_hidden.reshape(-1, final_hidden.shape[-1])
     out = torch.empty(flat.shape[0], dtype=torch.long, device=flat.device)
     for start in range(0, flat.shape[0], chunk):
-        piece = flat[start : start + chunk].to(weight.dtype)
+        piece = flat[start : start + chunk].to(device=weight.device, dtype=weight.dtype)
         out[start : start + chunk] = (piece @ weight.T).argmax(-1)  # the soft-cap is monotone: same argmax
     return out.view(final_hidden.shape[:-1])
 

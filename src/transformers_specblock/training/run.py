@@ -132,7 +132,7 @@ def _build_drafter(
             f"Draft vocabulary: {config.draft_vocab_size} of {vocab_size} target tokens, covering "
             f"{100 * coverage:.2f}% of the training assistant tokens."
         )
-    drafter.bind_target(target)
+    drafter.bind_target(target, place=False)  # the Trainer places the drafter; its weights stay float32
     return drafter.float()
 
 

@@ -144,10 +144,34 @@ class TreeDraftModel(PreTrainedModel):
                     f"`{type(self).__name__}.from_target(target)`."
                 )
 
-    def bind_target(self, target: PreTrainedModel) -> None:
-        """Use `target`'s (frozen) input embedding as the drafter's token path."""
+    def bind_target(self, target: PreTrainedModel, place: bool = True) -> None:
+        """Use `target`'s (frozen) input embedding as the drafter's token path, and follow the target.
+
+        With `place` (what `generate` does on every call) the drafter moves to the device where the target's input
+        embedding runs (for a target spread over devices with `device_map`: where its first layers run) and its
+        floating-point weights are cast to the target's dtype, so it drafts at the target's precision with no
+        cross-device copy of the features. A drafter or target on the meta device (no weights) is refused.
+        Training passes `place=False`: its Trainer places the drafter and keeps float32 weights.
+        """
         self.check_target(target)
-        self.__dict__["_target_embedding"] = target.get_input_embeddings()
+        embedding = target.get_input_embeddings()
+        if place:
+            device = _execution_device(embedding)
+            if device.type == "meta":
+                raise ValueError(
+                    "The target's input embedding is on the meta device (no weights): load the target's weights "
+                    "(from_pretrained) before binding a drafter or generating."
+                )
+            tensors = [*self.parameters(), *self.buffers()]
+            if any(t.device.type == "meta" for t in tensors):
+                raise ValueError(
+                    f"This {type(self).__name__}'s weights are on the meta device (no data), so it cannot follow its "
+                    f"target to {device}: load them first (from_pretrained, or to_empty + load_state_dict)."
+                )
+            dtype = target.dtype
+            if any(t.device != device or (t.is_floating_point() and t.dtype != dtype) for t in tensors):
+                self.to(device=device, dtype=dtype)
+        self.__dict__["_target_embedding"] = embedding
 
     @property
     def target_embedding(self) -> nn.Module:
@@ -160,5 +184,16 @@ class TreeDraftModel(PreTrainedModel):
     def embed_target_tokens(self, input_ids: torch.LongTensor) -> torch.Tensor:
         """Target token embeddings (no gradient: the target's embedding stays frozen)."""
         with torch.no_grad():
-            emb = self.target_embedding(input_ids.to(self.target_embedding.weight.device))
+            emb = self.target_embedding(input_ids.to(_execution_device(self.target_embedding)))
         return emb.to(device=self.device, dtype=self.dtype)
+
+
+def _execution_device(module: nn.Module) -> torch.device:
+    """Where `module` computes: its accelerate hook's execution device (set for offloaded weights under a
+    `device_map`), else the device of its weight."""
+    hook = getattr(module, "_hf_hook", None)
+    for part in getattr(hook, "hooks", [hook]):
+        device = getattr(part, "execution_device", None)
+        if device is not None:
+            return torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+    return module.weight.device
