@@ -2,7 +2,6 @@
 
 import importlib.util
 import json
-import time
 from pathlib import Path
 
 import huggingface_hub.constants
@@ -140,10 +139,10 @@ def test_smollm2_loads_generates_and_caches(monkeypatch):
     prompts = load_prompts("mt_bench", num_prompts=2, tokenizer=tokenizer)
     assert prompts[0]["text"].startswith("<|im_start|>") and prompts[0]["text"].endswith("<|im_start|>assistant\n")
 
+    # the second load reuses the converted folder: converting again would fail the test (no timing: how fast a
+    # cached load is belongs in a benchmark, not in a test on a shared machine)
     monkeypatch.setattr(assets, "_convert", lambda *args: pytest.fail("cache miss"))
-    start = time.perf_counter()
     again, _ = load_packaged_model("smollm2-135m-instruct")
-    assert time.perf_counter() - start < 10
     assert torch.equal(again.lm_head.weight, model.lm_head.weight)
     local, _ = load_packaged_model(str(assets.default_cache_dir() / "models" / "smollm2-135m-instruct"))
     assert torch.equal(local.lm_head.weight, model.lm_head.weight)

@@ -9,6 +9,8 @@ from transformers_specblock import SpecBlockDraftModel, load_packaged_model, loa
 
 TIE_TOLERANCE = 1e-3
 
+pytestmark = pytest.mark.slow  # loads (and on a fresh machine converts) the packaged SmolLM2-135M-Instruct
+
 
 @pytest.fixture(scope="module")
 def smollm2():
