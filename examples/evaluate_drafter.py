@@ -4,6 +4,9 @@ its config and save it (weights + generated model card) to a Hub-style folder.
     python examples/evaluate_drafter.py --drafter out/specblock-smollm2 \
         --output src/transformers_specblock/hub/shipped/specblock-smollm2-135m-instruct \
         --num_prompts 6 --max_new_tokens 64 --report_dir docs/results/shipped-drafter-eval
+
+Any target (packaged name, local folder or Hub id) with --device / --dtype as in specblock-bench; the drafter (shipped
+name, local folder or Hub id) runs in the target's dtype on its device.
 """
 
 from __future__ import annotations
@@ -15,26 +18,34 @@ from pathlib import Path
 import torch
 from transformers import AutoModel
 
-from transformers_specblock import load_packaged_model, load_prompts
+from transformers_specblock import load_prompts
 from transformers_specblock.commands.benchmark import Method, run_benchmark, write_report
+from transformers_specblock.hub.assets import explain_hub_errors
+from transformers_specblock.hub.loading import DEVICE_HELP, DTYPE_CHOICES, DTYPE_HELP, load_model
+from transformers_specblock.hub.shipped import resolve_drafter_path
 from transformers_specblock.hub.provenance import describe_hardware
 
 PROMPT_SETS = ("mt_bench", "humaneval", "sharegpt")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--drafter", required=True)
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--drafter", required=True, help="drafter: a shipped drafter name, a local folder or a Hub id")
     parser.add_argument("--output", required=True, help="folder to save the drafter with its model card")
-    parser.add_argument("--target_model", default="smollm2-135m-instruct")
+    parser.add_argument(
+        "--target_model", default="smollm2-135m-instruct", help="a packaged model name, a local folder or a Hub id"
+    )
+    parser.add_argument("--device", default=None, help=DEVICE_HELP)
+    parser.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES, help=DTYPE_HELP)
     parser.add_argument("--num_prompts", type=int, default=6)
     parser.add_argument("--max_new_tokens", type=int, default=64)
     parser.add_argument("--report_dir", default="docs/results/shipped-drafter-eval")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
-    target, tokenizer = load_packaged_model(args.target_model)
-    drafter = AutoModel.from_pretrained(args.drafter, dtype=torch.float32).eval()
-    drafter.bind_target(target)
+    target, tokenizer = load_model(args.target_model, device=args.device, dtype=args.dtype)
+    with explain_hub_errors(args.drafter, kind="drafter", names="a shipped drafter"):
+        drafter = AutoModel.from_pretrained(resolve_drafter_path(args.drafter), dtype=target.dtype).eval()
+    drafter.bind_target(target)  # on the target's device, in its dtype
     hardware = describe_hardware(target.device, target.dtype, drafter.dtype)  # detected now, not typed in
     rows = []
     for name in PROMPT_SETS:

@@ -127,3 +127,17 @@ def test_init_drafter_keeps_its_float32_weights_with_a_16bit_target(tmp_path):
     for name, value in saved.state_dict().items():
         assert torch.equal(built.state_dict()[name], value), name
 
+
+def test_training_with_a_bfloat16_target(tmp_path):
+    from test_training import common_args, make_tokenizer, write_conversations
+    from transformers_specblock.commands.cli import parse_train_args
+    from transformers_specblock.training import run_training
+
+    make_target("llama", vocab_size=128).save_pretrained(tmp_path / "target")
+    make_tokenizer().save_pretrained(tmp_path / "target")
+    ws = {"target": str(tmp_path / "target"), "data": str(write_conversations(tmp_path / "chats.jsonl", 8))}
+    argv = common_args(ws, tmp_path / "out", "--max_steps", "2", "--dtype", "bfloat16", "--device", "cpu")
+    trainer = run_training(*parse_train_args(argv))
+    assert trainer.target.dtype == torch.bfloat16 and trainer.target.device.type == "cpu"
+    assert floating_dtypes(trainer.model) == {torch.float32}  # the drafter trains in float32 weights
+    assert all(torch.isfinite(torch.tensor(e["loss"])) for e in trainer.state.log_history if "loss" in e)

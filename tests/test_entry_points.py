@@ -4,12 +4,17 @@ and the Hub is switched to offline mode where a lookup must fail fast."""
 
 from __future__ import annotations
 
+import importlib.util
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
 import huggingface_hub.constants
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
 
-from conftest import make_target
+from conftest import make_drafter, make_target
 from transformers_specblock.hub import assets
 from transformers_specblock.hub.loading import load_model, resolve_device, resolve_dtype
 
@@ -152,3 +157,175 @@ def test_load_model_auto_dtype_on_a_gpu_names_a_missing_hub_id(monkeypatch, offl
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     with pytest.raises(OSError, match="no-such-owner/no-such-model.*Hub id"):
         load_model("no-such-owner/no-such-model", device="auto")
+
+
+# ------------------------------------------------------------------------------------------------ entry points
+def _evaluate_drafter_main():
+    path = Path(__file__).parents[1] / "examples" / "evaluate_drafter.py"
+    spec = importlib.util.spec_from_file_location("evaluate_drafter", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.main
+
+
+def _entry_point(name: str, tmp_path: Path):
+    """(function, its required arguments) of each entry point that loads a target."""
+    from transformers_specblock.commands import regenerate
+    from transformers_specblock.commands.cli import bench_main, train_main
+
+    return {
+        "specblock-bench": (bench_main, ["--output_dir", str(tmp_path / "bench")]),
+        "specblock-train": (train_main, ["--output_dir", str(tmp_path / "train"), "--use_cpu", "--report_to", "none"]),
+        "regenerate": (regenerate.main, ["--output", str(tmp_path / "regen.jsonl")]),
+        "evaluate_drafter": (_evaluate_drafter_main(), ["--drafter", "someone/drafter", "--output", str(tmp_path / "d")]),
+    }[name]
+
+
+ENTRY_POINTS = ["specblock-bench", "specblock-train", "regenerate", "evaluate_drafter"]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="expectations written for a machine without a GPU")
+@pytest.mark.parametrize("name", ENTRY_POINTS)
+@pytest.mark.parametrize(
+    "options, device_map, dtype",
+    [
+        ([], "cpu", torch.float32),  # defaults: cuda if visible, else cpu; auto = float32 on the CPU
+        (["--dtype", "bfloat16"], "cpu", torch.bfloat16),
+        (["--device", "auto", "--dtype", "float16"], "auto", torch.float16),
+        (["--device", "cpu", "--dtype", "float32"], "cpu", torch.float32),
+    ],
+)
+def test_entry_points_pass_hub_id_device_and_dtype_to_from_pretrained(
+    record_from_pretrained, tmp_path, name, options, device_map, dtype
+):
+    main, required = _entry_point(name, tmp_path)
+    with pytest.raises(Recorded):
+        main(["--target_model", HUB_ID, *required, *options])
+    assert record_from_pretrained == [("model", HUB_ID, {"dtype": dtype, "device_map": device_map})]
+
+
+def test_training_keeps_the_target_dtype_option_name(record_from_pretrained, tmp_path):
+    from transformers_specblock.commands.cli import parse_train_args
+
+    main, required = _entry_point("specblock-train", tmp_path)
+    with pytest.raises(Recorded):
+        main(["--target_model", HUB_ID, *required, "--target_dtype", "bfloat16", "--target_device", "cpu"])
+    assert record_from_pretrained == [("model", HUB_ID, {"dtype": torch.bfloat16, "device_map": "cpu"})]
+    model_args, _, _ = parse_train_args(["--target_model", "x", "--dtype", "float16", "--device", "auto"])
+    assert (model_args.target_dtype, model_args.target_device) == ("float16", "auto")
+
+
+@pytest.mark.parametrize("name", ENTRY_POINTS)
+def test_entry_points_refuse_bad_device_and_dtype(record_from_pretrained, tmp_path, capsys, name):
+    main, required = _entry_point(name, tmp_path)
+    with pytest.raises(SystemExit):  # argparse: the dtype choices
+        main(["--target_model", HUB_ID, *required, "--dtype", "fp16"])
+    assert "invalid choice: 'fp16'" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="--device 'gpu0' is not a device"):
+        main(["--target_model", HUB_ID, *required, "--device", "gpu0"])
+    assert record_from_pretrained == []  # refused before loading anything
+
+
+@pytest.mark.parametrize("name", ["specblock-bench", "regenerate"])
+def test_entry_points_name_a_missing_hub_id(offline, tmp_path, name):
+    main, required = _entry_point(name, tmp_path)
+    with pytest.raises(OSError, match="(?s)Could not load the model 'no-such-owner/no-such-model'.*hf auth login"):
+        main(["--target_model", "no-such-owner/no-such-model", *required])
+
+
+def test_training_device_in_a_distributed_run_is_refused():
+    from transformers_specblock.training.run import target_device
+
+    single = SimpleNamespace(world_size=1, device=torch.device("cpu"))
+    assert target_device(None, single) == "cpu" and target_device("auto", single) == "auto"
+    with pytest.raises(ValueError, match="every process puts the target on its own device"):
+        target_device("auto", SimpleNamespace(world_size=2, device=torch.device("cpu")))
+
+
+# ------------------------------------------------------------------------------------------------ drafters
+def test_bench_drafter_hub_id_reaches_from_pretrained_in_the_target_dtype(monkeypatch):
+    from transformers_specblock.commands.cli import BenchArguments, build_methods
+
+    calls = []
+
+    def from_pretrained(name, *args, **kwargs):
+        calls.append((name, kwargs))
+        raise Recorded
+
+    monkeypatch.setattr(AutoModel, "from_pretrained", from_pretrained)
+    target = make_target("llama").to(torch.bfloat16)
+    for kind in ("specblock", "eagle3"):
+        calls.clear()
+        args = BenchArguments(target_model=HUB_ID, methods=kind, **{f"{kind}_model": f"someone/{kind}-drafter"})
+        with pytest.raises(Recorded):
+            build_methods(args, target)
+        assert calls == [(f"someone/{kind}-drafter", {"dtype": torch.bfloat16})]
+
+
+def test_bench_names_a_missing_drafter_hub_id(offline):
+    from transformers_specblock.commands.cli import BenchArguments, build_methods
+
+    args = BenchArguments(target_model="tiny", methods="specblock", specblock_model="no-such-owner/drafter")
+    with pytest.raises(OSError, match="specblock drafter 'no-such-owner/drafter': it is neither a shipped drafter"):
+        build_methods(args, make_target("llama"))
+
+
+def test_bench_without_a_drafter_for_a_hub_target_says_what_to_pass():
+    from transformers_specblock.commands.cli import BenchArguments, build_methods
+
+    with pytest.raises(FileNotFoundError, match="Pass --specblock_model with a drafter: a shipped name, a local"):
+        build_methods(BenchArguments(target_model=HUB_ID, methods="specblock"), None)
+
+
+# ------------------------------------------------------------------------------------------------ end to end
+@pytest.fixture(scope="module")
+def tiny_folders(tmp_path_factory):
+    """A saved tiny target with a chat tokenizer, a SpecBlock drafter for it and a one-prompt JSONL set."""
+    from test_training import make_tokenizer
+
+    root = tmp_path_factory.mktemp("entry_points")
+    target = make_target("llama", vocab_size=128, attn="eager")
+    target.save_pretrained(root / "target")
+    make_tokenizer().save_pretrained(root / "target")
+    make_drafter(target, tree_budget=8).save_pretrained(root / "drafter")  # saved in float32
+    (root / "prompts.jsonl").write_text(json.dumps({"prompt": "spell abc"}) + "\n")
+    return root
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_bench_end_to_end_in_bfloat16(tiny_folders, tmp_path, capsys):
+    from transformers_specblock.commands.cli import bench_main
+
+    out = tmp_path / "bench"
+    bench_main([
+        "--target_model", str(tiny_folders / "target"), "--specblock_model", str(tiny_folders / "drafter"),
+        "--methods", "plain,specblock", "--dataset", str(tiny_folders / "prompts.jsonl"), "--num_prompts", "1",
+        "--max_new_tokens", "6", "--warmup_tokens", "0", "--device", "cpu", "--dtype", "bfloat16",
+        "--output_dir", str(out),
+    ])  # fmt: skip
+    results = json.loads((out / "results.json").read_text())
+    assert results["settings"]["dtype"] == "bfloat16" and results["settings"]["device"] == "cpu"
+    assert results["methods"]["specblock"]["identical_to_reference"] is True
+    capsys.readouterr()
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_evaluate_drafter_end_to_end_in_bfloat16(tiny_folders, tmp_path, monkeypatch):
+    import transformers_specblock.commands.benchmark as benchmark
+
+    seen = {}
+    original = benchmark.run_benchmark
+
+    def run_one_prompt(target, tokenizer, prompts, methods, **kwargs):
+        seen["dtypes"] = (target.dtype, methods[0].generate_kwargs["assistant_model"].dtype)
+        return original(target, tokenizer, prompts.select(range(1)), methods, **{**kwargs, "warmup_tokens": 0})
+
+    main = _evaluate_drafter_main()
+    monkeypatch.setitem(main.__globals__, "run_benchmark", run_one_prompt)
+    main([
+        "--drafter", str(tiny_folders / "drafter"), "--target_model", str(tiny_folders / "target"),
+        "--output", str(tmp_path / "saved"), "--num_prompts", "1", "--max_new_tokens", "4",
+        "--report_dir", str(tmp_path / "report"), "--device", "cpu", "--dtype", "bfloat16",
+    ])  # fmt: skip
+    assert seen["dtypes"] == (torch.bfloat16, torch.bfloat16)  # the float32 drafter followed the target
+    assert (tmp_path / "saved" / "config.json").is_file()

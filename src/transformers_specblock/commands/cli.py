@@ -17,7 +17,8 @@ from pathlib import Path
 import datasets
 from transformers import AutoModel, HfArgumentParser
 
-from ..hub.assets import load_packaged_model, load_prompts
+from ..hub.assets import explain_hub_errors, load_prompts
+from ..hub.loading import DEVICE_HELP, DTYPE_CHOICES, DTYPE_HELP, load_model
 from ..hub.shipped import SHIPPED_DRAFTERS, resolve_drafter_path
 from .benchmark import REFERENCE, Method, run_benchmark, write_report
 from ..models.tree_drafter.modeling_tree_drafter import TreeDraftModel
@@ -45,6 +46,9 @@ def train_main(argv: Sequence[str] | None = None) -> None:
 
     Every `transformers.TrainingArguments` option works (``--eval_strategy steps --eval_steps 200``,
     ``--save_steps``, ``--resume_from_checkpoint``, ``--bf16``, ...); see ``specblock-train --help``.
+    ``--target_model`` takes a packaged name, a local folder or a Hub id; ``--device`` / ``--dtype`` place the
+    frozen target (the drafter trains where `TrainingArguments` puts it, in float32 weights; ``--bf16`` is its mixed
+    precision).
     Metrics land in ``<output_dir>/all_results.json`` and ``trainer_state.json``; call
     `transformers_specblock.training.run_training` to get the trainer object instead.
     """
@@ -57,7 +61,13 @@ def train_main(argv: Sequence[str] | None = None) -> None:
 
 @dataclass
 class BenchArguments:
-    target_model: str = field(metadata={"help": "Packaged model name or local HF model folder."})
+    target_model: str = field(
+        metadata={"help": "Target: a packaged model name, a local model folder or a Hugging Face Hub id."}
+    )
+    device: str | None = field(default=None, metadata={"help": DEVICE_HELP + " Drafters follow the target."})
+    dtype: str = field(
+        default="auto", metadata={"help": DTYPE_HELP + " Drafters run in the target's dtype.", "choices": DTYPE_CHOICES}
+    )
     methods: str = field(
         default="plain,prompt_lookup,specblock",
         metadata={
@@ -72,14 +82,18 @@ class BenchArguments:
     output_dir: str = field(default="out/bench")
     specblock_model: str | None = field(
         default=None,
-        metadata={"help": "Drafter folder or shipped drafter name; default: specblock-<target_model folder name>."},
+        metadata={"help": "SpecBlock drafter: a shipped drafter name, a local folder or a Hub id; default: the "
+                  "shipped specblock-<target_model folder name>."},
     )
     eagle3_model: str | None = field(
         default=None,
-        metadata={"help": "EAGLE-3 drafter folder or shipped name; default: eagle3-<target_model folder name>."},
+        metadata={"help": "EAGLE-3 drafter: a shipped drafter name, a local folder or a Hub id; default: the "
+                  "shipped eagle3-<target_model folder name>."},
     )
     assistant_model: str | None = field(
-        default=None, metadata={"help": "Packaged name / folder of a small LM for transformers' assisted generation."}
+        default=None,
+        metadata={"help": "Small LM for transformers' assisted generation: a packaged name, a local folder or a Hub "
+                  "id (loaded on the target's device, in its dtype)."},
     )
     prompt_lookup_num_tokens: int = field(default=10)
     tree_budget: str | None = field(
@@ -97,14 +111,19 @@ def default_drafter_name(kind: str, target_model: str) -> str:
 
 
 def _load_drafter(path: str | None, kind: str, target_model: str, target) -> TreeDraftModel:
+    """A drafter (shipped name, local folder or Hub id; default: the shipped one named after the target) in the
+    target's dtype, bound to the target, which puts it on the target's (input) device."""
     name_or_path = path or default_drafter_name(kind, target_model)
-    folder = Path(resolve_drafter_path(name_or_path))  # a local folder wins over a shipped drafter's name
-    if not (folder / "config.json").exists():
+    if path is None and not Path(resolve_drafter_path(name_or_path), "config.json").exists():
         raise FileNotFoundError(
             f"No {kind} drafter {name_or_path!r}: neither a local drafter folder nor a shipped drafter "
-            f"({', '.join(SHIPPED_DRAFTERS)}). Pass --{kind}_model with a trained drafter folder."
+            f"({', '.join(SHIPPED_DRAFTERS)}). Pass --{kind}_model with a drafter: a shipped name, a local folder "
+            "or a Hub id."
         )
-    drafter = AutoModel.from_pretrained(folder, dtype=target.dtype).to(target.device).eval()
+    shipped = f"a shipped drafter ({', '.join(SHIPPED_DRAFTERS)})"
+    with explain_hub_errors(name_or_path, kind=f"{kind} drafter", names=shipped):
+        # a local folder wins over a shipped drafter's name; a Hub id passes through unchanged
+        drafter = AutoModel.from_pretrained(resolve_drafter_path(name_or_path), dtype=target.dtype).eval()
     drafter.bind_target(target)
     return drafter
 
@@ -143,7 +162,7 @@ def build_methods(args: BenchArguments, target) -> list[Method]:
         elif name == "assisted":
             if not args.assistant_model:
                 raise ValueError("--methods assisted needs --assistant_model (e.g. qwen2.5-coder-0.5b-instruct).")
-            assistant, _ = load_packaged_model(args.assistant_model, dtype=target.dtype)
+            assistant, _ = load_model(args.assistant_model, device=str(target.device), dtype=target.dtype)
             methods.append(Method(spec, {"assistant_model": assistant}))
         elif name in TREE_METHODS:
             kind, settings = TREE_METHODS[name]
@@ -176,9 +195,12 @@ def bench_main(argv: Sequence[str] | None = None) -> None:
 
         specblock-bench --target_model smollm2-135m-instruct --methods plain,prompt_lookup,specblock \\
             --dataset mt_bench --num_prompts 8 --max_new_tokens 128 --output_dir out/bench
+
+    On a GPU: ``--target_model meta-llama/Llama-3.1-8B-Instruct --specblock_model <drafter> --device cuda``
+    (``--dtype auto``: the checkpoint's bfloat16); ``--device auto`` spreads a larger target over all GPUs.
     """
     (args,) = HfArgumentParser(BenchArguments).parse_args_into_dataclasses(args=argv)
-    target, tokenizer = load_packaged_model(args.target_model)
+    target, tokenizer = load_model(args.target_model, device=args.device, dtype=args.dtype)
     prompts = spread_over_categories(load_prompts(args.dataset, tokenizer=tokenizer), args.num_prompts)
     methods = build_methods(args, target)
     Path(args.output_dir).mkdir(parents=True, exist_ok=True)
@@ -188,5 +210,6 @@ def bench_main(argv: Sequence[str] | None = None) -> None:
         seed=args.seed, output_dir=args.output_dir, warmup_tokens=args.warmup_tokens, **sampling,
     )  # fmt: skip
     results.settings |= {"target_model": args.target_model, "dataset": args.dataset}
+    results.settings |= {"device": str(target.device), "dtype": str(target.dtype).removeprefix("torch.")}
     write_report(results, args.output_dir)
     print((Path(args.output_dir) / "results.md").read_text())

@@ -3,6 +3,9 @@
     python -m transformers_specblock.commands.regenerate --target_model smollm2-135m-instruct \
         --num_conversations 512 --max_new_tokens 256 --output data/smollm2-sharegpt-regen.jsonl
 
+Any target works (a Hub id such as ``meta-llama/Llama-3.1-8B-Instruct``, or a local folder) with ``--device``
+(default: cuda if visible, else cpu; ``auto`` spreads it over all GPUs) and ``--dtype`` (default ``auto``).
+
 Writes one JSON line per conversation, `{"id", "conversations": [{"from": "human", ...}, {"from": "gpt", ...}],
 "regenerated": {"model", "model_id", "prompts", generation settings}}` (training reads the last part to tell the
 model card whether the answers are the target's own), appending and skipping ids already present, so an
@@ -19,14 +22,17 @@ import torch
 from tqdm.auto import tqdm
 from transformers import HfArgumentParser
 
-from ..hub.assets import load_packaged_model, load_sharegpt_conversations
+from ..hub.assets import load_sharegpt_conversations
+from ..hub.loading import DEVICE_HELP, DTYPE_CHOICES, DTYPE_HELP, load_model
 from ..hub.provenance import resolve_base_model_id
 from ..training.data import REGENERATED_KEY, regeneration_record
 
 
 @dataclass
 class RegenerateArguments:
-    target_model: str = field(metadata={"help": "Packaged model name or local HF model folder."})
+    target_model: str = field(
+        metadata={"help": "Target: a packaged model name, a local model folder or a Hugging Face Hub id."}
+    )
     output: str = field(metadata={"help": "JSONL file to write (appended to; existing ids are skipped)."})
     num_conversations: int = field(default=512, metadata={"help": "Training conversations to answer."})
     max_prompt_tokens: int = field(default=256, metadata={"help": "Skip prompts longer than this (tokens)."})
@@ -35,6 +41,8 @@ class RegenerateArguments:
     do_sample: bool = field(default=False, metadata={"help": "Greedy answers by default (what T=0 decoding sees)."})
     temperature: float = field(default=0.7)
     seed: int = field(default=0)
+    device: str | None = field(default=None, metadata={"help": DEVICE_HELP})
+    dtype: str = field(default="auto", metadata={"help": DTYPE_HELP, "choices": DTYPE_CHOICES})
 
 
 def first_turn_prompts(tokenizer, num: int, max_prompt_tokens: int) -> list[tuple[str, str]]:
@@ -54,7 +62,7 @@ def first_turn_prompts(tokenizer, num: int, max_prompt_tokens: int) -> list[tupl
 
 def regenerate(args: RegenerateArguments) -> Path:
     torch.manual_seed(args.seed)
-    target, tokenizer = load_packaged_model(args.target_model)
+    target, tokenizer = load_model(args.target_model, device=args.device, dtype=args.dtype)
     tokenizer.padding_side = "left"
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
@@ -76,7 +84,7 @@ def regenerate(args: RegenerateArguments) -> Path:
                 tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True)
                 for _, q in batch
             ]
-            inputs = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+            inputs = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(target.device)
             out = target.generate(
                 **inputs, max_new_tokens=args.max_new_tokens, do_sample=args.do_sample,
                 temperature=args.temperature if args.do_sample else None, top_p=None, top_k=None,

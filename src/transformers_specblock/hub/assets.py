@@ -290,20 +290,23 @@ def resolve_model_path(name: str, cache_dir: str | os.PathLike | None = None) ->
 
 
 @contextmanager
-def explain_hub_errors(name: str, kind: str = "model") -> Iterator[None]:
+def explain_hub_errors(name: str, kind: str = "model", names: str | None = None) -> Iterator[None]:
     """Turn the OSError ``from_pretrained`` raises for a name that is no local folder (a Hub id it could not fetch:
-    misspelt, gated, or no network) into one that names ``name`` and says what to do."""
+    misspelt, gated, or no network) into one that names ``name`` and says what to do. ``names`` describes the
+    other names a ``kind`` may have (default for models: the packaged ones)."""
     try:
         yield
     except OSError as error:
         if os.path.isdir(name):  # a local folder with a problem inside: transformers' message says which
             raise
-        known = f"a packaged model ({', '.join(PACKAGED_MODELS)}), " if kind == "model" else ""
+        if names is None and kind == "model":
+            names = f"a packaged model ({', '.join(PACKAGED_MODELS)})"
+        what = f"neither {names} nor a local folder" if names else "not a local folder"
         raise OSError(
-            f"Could not load the {kind} {name!r}: it is not {known}a local folder, so it was looked up as a Hugging "
-            f"Face Hub id, which failed: {error}\nCheck the id and that you may read it (gated models: accept the "
-            f"terms on its Hub page, then `hf auth login`). Without network, download it first where there is "
-            f"network (`hf download {name}`, then copy the Hugging Face cache) or pass a local folder."
+            f"Could not load the {kind} {name!r}: it is {what}, so it was looked up as a Hugging Face Hub id, which "
+            f"failed: {error}\nCheck the id and that you may read it (gated models: accept the terms on its Hub "
+            f"page, then `hf auth login`). Without network, download it first where there is network "
+            f"(`hf download {name}`, then copy the Hugging Face cache) or pass a local folder."
         ) from error
 
 

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch
 from transformers import TrainingArguments
 
 from ..hub.assets import PACKAGED_MODELS
+from ..hub.loading import DTYPE_CHOICES, DTYPES
 
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+_DTYPES = DTYPES  # float32, bfloat16, float16
 
 
 @dataclass
@@ -18,15 +18,32 @@ class ModelArguments:
     """Which target to train a drafter for, and the drafter's shape."""
 
     target_model: str = field(
-        metadata={"help": f"Packaged model name ({', '.join(PACKAGED_MODELS)}) or a local Hugging Face model folder."}
+        metadata={"help": f"Target: a packaged model name ({', '.join(PACKAGED_MODELS)}), a local model folder or a "
+                  "Hugging Face Hub id."}
     )
     init_drafter: str | None = field(
         default=None, metadata={"help": "Start from this drafter checkpoint (must have been built for the target)."}
     )
     target_dtype: str = field(
         default="auto",
-        metadata={"help": "dtype of the frozen target: auto (bfloat16 on a bf16-capable GPU, else float32), "
-                  "float32, bfloat16 or float16."},
+        metadata={
+            "aliases": ["--dtype"],
+            "choices": DTYPE_CHOICES,
+            "help": "dtype of the frozen target (--dtype is the same option). auto = float32 on the CPU; on a GPU the "
+            "checkpoint's own dtype if it is 16-bit, else bfloat16 (float32 on GPUs without bfloat16). The drafter "
+            "keeps float32 weights whatever this says: --bf16 / --fp16 set its mixed precision, --save_dtype the "
+            "saved weights.",
+        },
+    )
+    target_device: str | None = field(
+        default=None,
+        metadata={
+            "aliases": ["--device"],
+            "help": "Where the frozen target runs (--device is the same option). Default: the Trainer's device (cuda, "
+            "the process' own GPU under torchrun / accelerate launch, cpu with --use_cpu). cuda:N puts it on that "
+            "GPU; auto spreads it over every visible GPU (device_map='auto') for a target larger than one GPU, one "
+            "process only. The drafter always trains on the Trainer's device; features are moved there.",
+        },
     )
     target_layer_ids: str | None = field(
         default=None,
@@ -157,14 +174,6 @@ class SpecBlockLossConfig:
     def from_args(cls, args: SpecBlockTrainingArguments) -> "SpecBlockLossConfig":
         names = [f for f in cls.__dataclass_fields__ if f != "sync_normalizers"]
         return cls(**{name: getattr(args, name) for name in names})
-
-
-def _resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" and torch.cuda.is_bf16_supported() else torch.float32
-    if name not in _DTYPES:
-        raise ValueError(f"Unknown dtype {name!r}: expected one of auto, {', '.join(_DTYPES)}.")
-    return _DTYPES[name]
 
 
 def _parse_layer_ids(text: str | None) -> list[int] | None:

@@ -13,7 +13,8 @@ import torch
 from transformers import PreTrainedModel
 from transformers.utils import logging
 
-from ..hub.assets import PACKAGED_MODELS, load_packaged_model
+from ..hub.assets import PACKAGED_MODELS, explain_hub_errors
+from ..hub.loading import load_model
 from ..hub.provenance import describe_hardware, resolve_base_model_id
 from ..models.eagle3.configuration_eagle3 import Eagle3Config
 from ..models.eagle3.modeling_eagle3 import Eagle3DraftModel
@@ -27,7 +28,6 @@ from .arguments import (
     SpecBlockLossConfig,
     SpecBlockTrainingArguments,
     _parse_layer_ids,
-    _resolve_dtype,
 )
 from .data import SpecBlockDataCollator, describe_training_data, load_conversations, tokenize_conversations
 from .features import PrecomputedFeatures, precompute_features
@@ -36,6 +36,20 @@ from .trainer import SpecBlockTrainer, session_records
 from .vocab import build_draft_vocab, default_draft_vocab_size, init_head_from_target, set_draft_vocab
 
 logger = logging.get_logger(__name__)
+
+
+def target_device(requested: str | None, training_args: SpecBlockTrainingArguments) -> str:
+    """The frozen target's ``--device``: by default the Trainer's device (the process' own GPU, cpu with
+    ``--use_cpu``); an explicit one only in a single process (each process of a distributed run holds its own
+    target copy on its own device)."""
+    if requested is None:
+        return str(training_args.device)
+    if training_args.world_size > 1:
+        raise ValueError(
+            f"--device {requested}: in a distributed run (torchrun / accelerate launch) every process puts the target "
+            "on its own device, the Trainer's; drop --device."
+        )
+    return requested
 
 
 def check_layer_ids(layer_ids: Sequence[int], target: PreTrainedModel, target_name: str) -> None:
@@ -91,7 +105,8 @@ def _build_drafter(
     if model_args.drafter == "eagle3" and (model_args.block_size or model_args.drafter_num_layers):
         raise ValueError("--block_size / --drafter_num_layers are SpecBlock settings; EAGLE-3 has one layer.")
     if model_args.init_drafter:
-        config = config_class.from_pretrained(model_args.init_drafter)
+        with explain_hub_errors(model_args.init_drafter, kind="drafter", names="a shipped drafter"):
+            config = config_class.from_pretrained(model_args.init_drafter)
         check_drafter_for_target(config, target, model_args.init_drafter, model_args.target_model)
         for name, requested in (
             ("block_size", model_args.block_size),
@@ -234,8 +249,8 @@ def run_training(
     if features_dtype is None:
         raise ValueError(f"--features_dtype must be one of {', '.join(_DTYPES)}, got {data_args.features_dtype!r}.")
 
-    target_dtype = _resolve_dtype(model_args.target_dtype, training_args.device)
-    target, tokenizer = load_packaged_model(model_args.target_model, dtype=target_dtype)
+    device = target_device(model_args.target_device, training_args)
+    target, tokenizer = load_model(model_args.target_model, device=device, dtype=model_args.target_dtype)
     target.requires_grad_(False)
     if not tokenizer.chat_template:
         raise ValueError(f"The tokenizer of {model_args.target_model!r} has no chat template to render conversations.")
@@ -258,7 +273,7 @@ def run_training(
         features_dir = data_args.features_dir or os.path.join(training_args.output_dir, "features")
         with training_args.main_process_first(desc="precomputing target features"):
             precompute_features(
-                target.to(training_args.device),
+                target,
                 train_set,
                 features_dir,
                 drafter.config.target_layer_ids,
@@ -283,6 +298,7 @@ def run_training(
         processing_class=tokenizer,
         target=target,
         num_blocks=1 if model_args.drafter == "eagle3" else training_args.num_blocks,
+        place_target=False,  # loaded on --device already
     )
     trained = next(drafter.parameters()).dtype
     mixed = "bf16" if training_args.bf16 else "fp16" if training_args.fp16 else None

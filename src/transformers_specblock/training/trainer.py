@@ -43,11 +43,16 @@ def session_records(log_history: list[dict[str, Any]], final_step: int) -> list[
 class SpecBlockTrainer(Trainer):
     """`Trainer` whose step runs the frozen target (online features) or turns precomputed features into soft labels,
     draws the follow-up offsets, and logs the SpecBlock metrics (``acc_slot{k}``, ``accept_length``, ``rank_acc``,
-    ``loss_draft``, ``loss_rank``) with the training loss and in every evaluation."""
+    ``loss_draft``, ``loss_rank``) with the training loss and in every evaluation.
 
-    def __init__(self, *args: Any, target: PreTrainedModel, num_blocks: int = 3, **kwargs: Any) -> None:
+    The target is moved to the Trainer's device unless ``place_target=False`` (a target already placed, e.g. spread
+    over GPUs with a ``device_map``); its features are moved to the drafter's device either way."""
+
+    def __init__(
+        self, *args: Any, target: PreTrainedModel, num_blocks: int = 3, place_target: bool = True, **kwargs: Any
+    ) -> None:
         super().__init__(*args, **kwargs)
-        self.target = target.to(self.args.device).eval().requires_grad_(False)
+        self.target = (target.to(self.args.device) if place_target else target).eval().requires_grad_(False)
         self.num_blocks = num_blocks
         self.loss_is_scaled_for_ga = False  # per-micro-batch means: the Trainer divides by the accumulation steps
         drafter = self.accelerator.unwrap_model(self.model)
