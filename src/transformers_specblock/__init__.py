@@ -23,7 +23,7 @@ from .generation import (
     tree_speculative_decoding,
     uninstall,
 )
-from .hub import load_packaged_model, load_prompts
+from .hub import load_model, load_packaged_model, load_prompts
 from .models import (
     Eagle3Config,
     Eagle3DraftModel,
@@ -61,6 +61,7 @@ __all__ = [
     "generate",
     "get_candidate_generator",
     "install",
+    "load_model",
     "load_packaged_model",
     "load_prompts",
     "tree_speculative_decoding",
