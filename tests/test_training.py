@@ -8,11 +8,13 @@ import math
 import os
 import random
 import shutil
+import socket
 import string
 import subprocess
 import sys
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -369,17 +371,75 @@ def test_resume_from_checkpoint_matches_uninterrupted_run(workspace):
         torch.testing.assert_close(a[key], b[key], rtol=1e-5, atol=1e-6)
 
 
+DISTRIBUTED_ENV = {  # what a launcher (torchrun, accelerate, an outer DDP job) leaves for its workers
+    "MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+    "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_NAME", "ROLE_WORLD_SIZE", "NODE_RANK", "GLOO_SOCKET_IFNAME",
+}  # fmt: skip
+DISTRIBUTED_ENV_PREFIXES = ("PET_", "TORCHELASTIC_", "ACCELERATE_")  # PET_*: torchrun reads its options from these
+
+
+def clean_environment() -> dict[str, str]:
+    """This process's environment without torch.distributed / launcher variables: a test run inside a
+    distributed job (or after one set them) must not join it or inherit its options."""
+    env = {
+        k: v for k, v in os.environ.items() if k not in DISTRIBUTED_ENV and not k.startswith(DISTRIBUTED_ENV_PREFIXES)
+    }
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(sys.path))
+    if os.path.isdir("/sys/class/net/lo"):
+        env["GLOO_SOCKET_IFNAME"] = "lo"  # gloo's own connections on the loopback interface too
+    return env
+
+
+def free_local_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def run_two_processes(args: list[str], timeout: float = 300) -> tuple[int, str]:
+    """`torchrun` with 2 CPU workers on 127.0.0.1 only (a free port there; not --standalone, whose rendezvous
+    gives the workers "localhost"). Returns (exit code, combined output of the launcher and both workers). On
+    timeout the launcher AND its workers (torchrun starts each in a session of its own, out of reach of the
+    launcher's process group) are killed, and the test fails showing their output."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", "2",
+           "--master_addr", "127.0.0.1", "--master_port", str(free_local_port()),
+           "-m", "transformers_specblock.train", *args]  # fmt: skip
+    proc = subprocess.Popen(cmd, env=clean_environment(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    launcher = psutil.Process(proc.pid)
+    try:
+        output, _ = proc.communicate(timeout=timeout)
+        return proc.returncode, output
+    except subprocess.TimeoutExpired:
+        workers = launcher.children(recursive=True)
+        kill_all(proc, workers)
+        output, _ = proc.communicate()
+        pytest.fail(
+            f"torchrun did not finish within {timeout} s; killed it and its {len(workers)} processes. "
+            f"Output so far:\n{output[-6000:]}"
+        )
+    finally:
+        if proc.poll() is None:  # interrupted while waiting (e.g. Ctrl-C): leave no worker behind
+            kill_all(proc, launcher.children(recursive=True))
+
+
+def kill_all(proc: subprocess.Popen, workers: list[psutil.Process]) -> None:
+    for worker in workers:
+        try:
+            worker.kill()
+        except psutil.NoSuchProcess:
+            pass
+    proc.kill()
+    psutil.wait_procs(workers, timeout=30)
+
+
 def test_ddp_two_processes_same_loss_as_one(workspace):
     single, ddp = workspace["root"] / "single", workspace["root"] / "ddp"
     base = ["--dataset", workspace["data4"], "--max_steps", "2", "--num_train_epochs", "2"]
     train_main(common_args(workspace, single, *base))
     args = common_args(workspace, ddp, *base)
     args[args.index("--per_device_train_batch_size") + 1] = "2"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           "-m", "transformers_specblock.train", *args]  # fmt: skip
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    returncode, output = run_two_processes(args)
+    assert returncode == 0, f"torchrun exited with {returncode}; launcher and worker output:\n{output[-6000:]}"
     # same loss on the same global batch, and (step 2) the same update: normalisers are summed over processes
     assert logged_losses(ddp) == pytest.approx(logged_losses(single), rel=1e-4)
     assert len(logged_losses(ddp)) == 2
