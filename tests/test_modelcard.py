@@ -62,6 +62,21 @@ def test_license_is_the_one_given_at_training_and_survives_a_resume(ws):
     assert info["train_steps"] == 2 and "session 2: steps 1-2" in card.text
 
 
+def test_time_up_to_a_checkpoint_counts_after_a_resume(ws):
+    """The training time of a resumed run includes the steps after the last log before the checkpoint."""
+    out = ws["root"] / "time"
+    extra = ["--logging_steps", "50", "--save_strategy", "steps", "--save_steps", "1"]  # no log before step 2
+    train_main(common_args(ws, out, "--max_steps", "1", *extra))
+    state = json.loads((out / "checkpoint-1" / "trainer_state.json").read_text())
+    before = [e["train_seconds"] for e in state["log_history"] if "train_seconds" in e]
+    assert before and before[-1] > 0  # written with the checkpoint, not only by a log
+    train_main(common_args(ws, out, "--max_steps", "2", *extra, "--resume_from_checkpoint", str(out / "checkpoint-1")))
+    total = json.loads((out / "all_results.json").read_text())["train_seconds"]
+    assert total >= before[-1]
+    info = json.loads((out / "config.json").read_text())["training_info"]
+    assert info["train_time_minutes"] == round(total / 60, 1) and info["train_steps"] == 2
+
+
 def test_no_license_field_without_the_argument(ws):
     card, config = train(ws, ws["root"] / "nolicense")
     assert card.data.license is None and "license" not in yaml_of(card)
