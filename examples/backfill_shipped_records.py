@@ -30,11 +30,9 @@ import shlex
 import sys
 from pathlib import Path
 
-import torch
-
 from transformers_specblock.commands.card import card_for_folder
 from transformers_specblock.commands.cli import parse_train_args
-from transformers_specblock.training.arguments import _resolve_dtype
+from transformers_specblock.hub.loading import resolve_dtype
 from transformers_specblock.training.run import record_training_info, training_info
 
 MACHINE = "AMD EPYC (x86-64), 2 cores"  # docs/benchmarks.md "2 cores of an AMD EPYC (x86-64) ... no GPU"
@@ -68,7 +66,7 @@ def sessions_from(command: str) -> list[dict[str, str]]:
 def hardware_of(command: str) -> str:
     """The dtypes the recorded command trained with, on the documented machine."""
     model_args, _, training_args = parse_train_args(shlex.split(command)[1:])
-    target_dtype = _resolve_dtype(model_args.target_dtype, torch.device("cpu"))
+    target_dtype = resolve_dtype(model_args.target_dtype, "cpu")
     mixed = " (bf16 mixed precision)" if training_args.bf16 else " (fp16 mixed precision)" if training_args.fp16 else ""
     return f"{MACHINE}; target {str(target_dtype).removeprefix('torch.')}, drafter float32{mixed}"
 

@@ -141,6 +141,9 @@ def test_hardware_is_detected_at_training_time(ws, monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA Test GPU")
     assert describe_device("cuda:0") == "NVIDIA Test GPU"
     assert describe_device(torch.device("cuda", 0), num_processes=4) == "4 x NVIDIA Test GPU"
+    assert describe_hardware("cuda", torch.bfloat16, torch.float32, target_device="cpu") == (
+        "drafter on NVIDIA Test GPU, target on Test CPU 9000, 7 cores; target bfloat16, drafter float32"
+    )
 
 
 # ------------------------------------------------------------------------------------------------ data

@@ -125,8 +125,12 @@ def describe_hardware(
     drafter_dtype: torch.dtype | str,
     num_processes: int = 1,
     mixed_precision: str | None = None,
+    target_device: torch.device | str | None = None,
 ) -> str:
-    """One line for a card: ``"<device>; target <dtype>, drafter <dtype>[ (<mixed> mixed precision)]"``."""
+    """One line for a card: ``"<device>; target <dtype>, drafter <dtype>[ (<mixed> mixed precision)]"``; when the
+    target runs on another kind of device than the drafter (``target_device``), both are named."""
     text = describe_device(device, num_processes)
+    if target_device is not None and torch.device(target_device).type != torch.device(device or "cpu").type:
+        text = f"drafter on {text}, target on {describe_device(target_device)}"
     text += f"; target {_dtype_name(target_dtype)}, drafter {_dtype_name(drafter_dtype)}"
     return text + (f" ({mixed_precision} mixed precision)" if mixed_precision else "")

@@ -304,7 +304,9 @@ def run_training(
     mixed = "bf16" if training_args.bf16 else "fp16" if training_args.fp16 else None
     trainer.session_record = {  # logged when the session starts, kept in its checkpoints (see trainer.SESSION_KEY)
         "command": command or "run_training(...)",
-        "hardware": describe_hardware(training_args.device, target.dtype, trained, training_args.world_size, mixed),
+        "hardware": describe_hardware(
+            training_args.device, target.dtype, trained, training_args.world_size, mixed, target_device=target.device
+        ),
         "license": model_args.license,
         "base_model_id": model_args.base_model_id,
     }
