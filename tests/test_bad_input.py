@@ -320,3 +320,15 @@ def test_zero_followups(target):
     with pytest.raises(ValueError, match="max_followups"):
         with make_drafter(target).tree_settings(max_followups=0):
             pass
+
+
+def test_stock_assisted_decoding_after_uninstall_says_what_to_do(target, drafter):
+    """After `uninstall()`, transformers' own assisted decoding gets the tree drafter: the error says how to route it."""
+    transformers_specblock.uninstall()
+    try:
+        with pytest.raises(AttributeError, match="tree drafter.*transformers_specblock.install()"):
+            target.generate(PROMPT, assistant_model=drafter, max_new_tokens=3, do_sample=False)
+    finally:
+        transformers_specblock.install()
+    assert not hasattr(drafter, "generation_config")  # transformers' hasattr checks still see no generation config
+    assert target.generate(PROMPT, assistant_model=drafter, max_new_tokens=3, do_sample=False).shape[1] == 9

@@ -173,6 +173,17 @@ class TreeDraftModel(PreTrainedModel):
                 self.to(device=device, dtype=dtype)
         self.__dict__["_target_embedding"] = embedding
 
+    def __getattr__(self, name: str) -> Any:
+        # transformers' stock assisted decoding reads `assistant_model.generation_config`, which a tree drafter does
+        # not have: say what to do instead of a bare AttributeError (hasattr() still answers False)
+        if name == "generation_config":
+            raise AttributeError(
+                f"{type(self).__name__} is a tree drafter: transformers' stock assisted decoding cannot run it. Route "
+                "generate() to the tree loop with `transformers_specblock.install()` (done on import), or call "
+                "`transformers_specblock.generate(model, ..., assistant_model=drafter)`."
+            )
+        return super().__getattr__(name)
+
     @property
     def target_embedding(self) -> nn.Module:
         if self._target_embedding is None:
