@@ -13,11 +13,9 @@ from transformers_specblock.hub.assets import (
     PACKAGED_MODELS,
     PackagedModel,
     _assemble,
-    _recover_json_records,
     load_packaged_model,
-    load_prompts,
-    load_sharegpt_conversations,
 )
+from transformers_specblock.hub.prompts import _recover_json_records, load_prompts, load_sharegpt_conversations
 
 
 def test_mt_bench_first_turns():

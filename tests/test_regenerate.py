@@ -7,7 +7,7 @@ import json
 
 from conftest import make_target
 from test_greedy_exactness import letter_tokenizer
-from transformers_specblock.hub.assets import load_sharegpt_conversations
+from transformers_specblock.hub.prompts import load_sharegpt_conversations
 from transformers_specblock.commands.regenerate import RegenerateArguments, regenerate
 from transformers_specblock.training.data import describe_training_data
 

@@ -17,7 +17,8 @@ from pathlib import Path
 import datasets
 from transformers import AutoModel, HfArgumentParser
 
-from ..hub.assets import explain_hub_errors, load_prompts
+from ..hub.assets import explain_hub_errors
+from ..hub.prompts import load_prompts
 from ..hub.loading import DEVICE_HELP, DTYPE_CHOICES, DTYPE_HELP, load_model
 from ..hub.shipped import SHIPPED_DRAFTERS, resolve_drafter_path
 from .benchmark import REFERENCE, Method, run_benchmark, write_report

@@ -22,7 +22,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import HfArgumentParser
 
-from ..hub.assets import load_sharegpt_conversations
+from ..hub.prompts import load_sharegpt_conversations
 from ..hub.loading import DEVICE_HELP, DTYPE_CHOICES, DTYPE_HELP, load_model
 from ..hub.provenance import resolve_base_model_id
 from ..training.data import REGENERATED_KEY, regeneration_record

@@ -15,7 +15,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 from transformers.utils import logging
 
-from ..hub.assets import load_sharegpt_conversations
+from ..hub.prompts import load_sharegpt_conversations
 
 logger = logging.get_logger(__name__)
 
