@@ -30,11 +30,12 @@ class DeepOracleGenerator(TreeCandidateGenerator):
         self.inner.observe(target_features, next_tokens, first_position)
         self.committed = first_position + next_tokens.shape[0]  # rotary position of the last one + 1
 
-    def draft_tree(self, root_token: int) -> DraftTree:
+    def draft_tree(self, sequence: torch.LongTensor) -> DraftTree:
+        root_token = int(sequence[-1])
         assert root_token == self.reference[self.committed - 1], "the oracle lost track of the committed tokens"
         depth = self.depths[len(self.grafted) % len(self.depths)]
         self.inner.tree_budget = max(1, self.tree_budget - depth)  # room for the grafted chain within the budget
-        tree = self.inner.draft_tree(root_token)
+        tree = self.inner.draft_tree(sequence)
         node, added = 0, 0
         for level, token in enumerate(self.reference[self.committed : self.committed + depth], 1):
             children = tree.children_of(node).tolist()

@@ -234,7 +234,7 @@ def test_tree_shape_forwards_and_cache(top_k, depth, budget):
     assert committed == 6
     before = generator.stats.drafter_forwards
     with torch.no_grad():
-        tree = generator.draft_tree(int(tokens[-1]))
+        tree = generator.draft_tree(tokens)
     rounds = min(depth, budget - 1)
     assert generator.stats.drafter_forwards - before == rounds
     assert generator.cache.get_seq_length() == committed  # temporary entries cropped
@@ -254,7 +254,7 @@ def test_tree_scores_match_sequential_drafting():
     top_k, depth = 4, 3
     d, generator, features, tokens = _observed_generator(top_k, depth, budget=1000, seed=2)
     with torch.no_grad():
-        tree = generator.draft_tree(int(tokens[-1]))
+        tree = generator.draft_tree(tokens)
         for node in range(1, len(tree)):
             path = []
             cur = node

@@ -176,7 +176,7 @@ def test_prompt_read_in_chunks_equals_one_forward():
     assert chunked.committed_entries == whole.committed_entries == 11 * drafter.config.block_size
     for a, b in zip(chunked.root_block, whole.root_block):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
-    tree_a, tree_b = chunked.draft_tree(5), whole.draft_tree(5)
+    tree_a, tree_b = chunked.draft_tree(torch.tensor([5])), whole.draft_tree(torch.tensor([5]))
     assert tree_a.tokens.tolist() == tree_b.tokens.tolist() and tree_a.parents.tolist() == tree_b.parents.tolist()
 
     prompt = torch.randint(1, 24, (1, 9), generator=torch.Generator().manual_seed(4))

@@ -1,7 +1,8 @@
 """SpecBlock: block-iterative tree speculative decoding inside Hugging Face transformers' `generate`.
 
 Importing the package registers the drafter configs / models with the Auto classes and routes
-`generate(assistant_model=<TreeDraftModel>)` (a SpecBlock or EAGLE-3 drafter) to the tree decoding loop. Every other
+`generate(assistant_model=<TreeDraftModel>)` (a SpecBlock or EAGLE-3 drafter, or the drafter-less lookup tree) to
+the tree decoding loop. Every other
 assistant, and no assistant, keeps transformers' stock behaviour; `uninstall()` restores the stock methods.
 
 Layout (imports flow one way): `utils` <- `hub` <- `models` <- `generation` <- `training` <- `commands`.
@@ -28,6 +29,8 @@ from .models import (
     Eagle3Config,
     Eagle3DraftModel,
     Eagle3Output,
+    LookupTreeConfig,
+    LookupTreeModel,
     SpecBlockConfig,
     SpecBlockDraftModel,
     SpecBlockOutput,
@@ -38,7 +41,9 @@ from .models import (
 CUSTOM_GENERATE_DIR = os.path.dirname(os.path.abspath(__file__))
 """Folder to pass as `generate(custom_generate=...)` (it holds `custom_generate/generate.py`)."""
 
-for _config, _model in ((SpecBlockConfig, SpecBlockDraftModel), (Eagle3Config, Eagle3DraftModel)):
+for _config, _model in (
+    (SpecBlockConfig, SpecBlockDraftModel), (Eagle3Config, Eagle3DraftModel), (LookupTreeConfig, LookupTreeModel)
+):
     AutoConfig.register(_config.model_type, _config, exist_ok=True)
     AutoModel.register(_config, _model, exist_ok=True)
 install()
@@ -50,6 +55,8 @@ __all__ = [
     "Eagle3Config",
     "Eagle3DraftModel",
     "Eagle3Output",
+    "LookupTreeConfig",
+    "LookupTreeModel",
     "SpecBlockCandidateGenerator",
     "SpecBlockConfig",
     "SpecBlockDraftModel",

@@ -3,10 +3,11 @@
 Throughput is tau(B) / (T_M(B) + T_D): tau grows with the verified tree size B while the target's forward cost
 T_M(B) grows too — slowly on a GPU, steeply on a CPU. `TargetCost` times the target's forward once per model and
 device; `AutoBudget` learns tau(B) for every candidate B from the trees actually verified (a tree pruned to B
-keeps its first B nodes in pruning order, so the accepted path is cut where its first node falls outside them),
-counting a tree only for the candidates it can tell about, with statistics over the last `window` verified steps,
-and explores budgets above its choice every `explore_interval` steps, so its choice follows a drafter or a device
-that changes.
+keeps its first B nodes in pruning order, so the accepted path is cut where its first node falls outside them)
+and the mean size such a tree verifies (less than B where fewer candidates were proposed: free candidates cost only
+the nodes they add), counting a tree only for the candidates it can tell about, with statistics over the last
+`window` verified steps, and explores budgets above its choice every `explore_interval` steps, so its choice
+follows a drafter or a device that changes.
 
 Budget 0 means "do not speculate": the target decodes one token per forward and the drafter is not run (tau = 1, no
 drafting time). It wins where no tree pays for its drafting and verification, e.g. a weak drafter on a CPU; the
@@ -95,9 +96,14 @@ def measure_target_cost(
     return per_model[key]
 
 
-def best_budget(tau: dict[int, float], cost: TargetCost, drafting_seconds: float) -> int:
-    """The budget B maximising tau(B) / (T_M(B) + T_D), where budget 0 (no speculation) drafts nothing."""
-    return max(tau, key=lambda b: tau[b] / (cost(b) + (drafting_seconds if b else 0.0)))
+def best_budget(
+    tau: dict[int, float], cost: TargetCost, drafting_seconds: float, sizes: dict[int, float] | None = None
+) -> int:
+    """The budget B maximising tau(B) / (T_M(size(B)) + T_D), where budget 0 (no speculation) drafts nothing and
+    size(B) is the mean number of nodes a tree of budget B verifies (B itself unless `sizes` says less: a drafter
+    or a lookup with fewer candidates than the budget verifies a smaller tree)."""
+    sizes = sizes or {}
+    return max(tau, key=lambda b: tau[b] / (cost(sizes.get(b, b)) + (drafting_seconds if b else 0.0)))
 
 
 class RecentMean:
@@ -150,11 +156,13 @@ class AutoBudget:
     steps: int = 0  # verified steps after the warm-up: the exploration clock
     explorations: int = 0
     tau: dict[int, RecentMean] = field(init=False)  # committed tokens per tree, per candidate > 0
+    size: dict[int, RecentMean] = field(init=False)  # nodes a tree of each candidate budget verifies
     drafting: RecentMean = field(init=False)  # drafter seconds per representative speculative step
 
     def __post_init__(self) -> None:
         self.ladder = sorted(set(self.candidates))
         self.tau = {b: RecentMean(self.window, self.keep) for b in self.ladder if b > 0}
+        self.size = {b: RecentMean(self.window, self.keep) for b in self.ladder if b > 0}
         self.drafting = RecentMean(self.window, self.keep)
 
     @property
@@ -187,6 +195,7 @@ class AutoBudget:
             kept = torch.cumprod(inside.long(), dim=1).sum(dim=1).tolist()  # path cut at its first node outside
             for b, count in zip(told, kept):
                 self.tau[b].add(self.clock, count + 1.0)
+                self.size[b].add(self.clock, float(min(b, drafted)))
         if drafting_seconds is not None:
             self.drafting.add(self.clock, drafting_seconds)
         self.trees += 1
@@ -199,7 +208,9 @@ class AutoBudget:
         unmeasured = [b for b, stat in self.tau.items() if not stat.count]
         if unmeasured:
             return max(unmeasured)
-        return best_budget(self.estimates(), self.cost, self.drafting.mean(self.clock))
+        tau = self.estimates()
+        sizes = {b: self.size[b].mean(self.clock) for b in tau if b}
+        return best_budget(tau, self.cost, self.drafting.mean(self.clock), sizes)
 
     def next_budget(self, explore_interval: int = DEFAULT_EXPLORE_INTERVAL) -> int:
         """The budget to draft with at this verified step (call once per step, budget-0 steps included): `choose()`,

@@ -26,7 +26,7 @@ from .cache_utils import compact_cache, full_attention_cache
 from .candidate_generators import TreeCandidateGenerator, get_candidate_generator
 from .logits_process import TreeLogitsProcessor
 from .tree import DraftTree
-from .verification import verify_tree
+from .verification import target_features, verify_tree
 
 
 @dataclass
@@ -41,6 +41,7 @@ class SpecBlockStats:
     drafter_time_s: float = 0.0
     target_time_s: float = 0.0
     total_time_s: float = 0.0
+    accepted_by_source: dict[str, int] = field(default_factory=dict)  # accepted drafted tokens each source proposed
 
     @property
     def tau(self) -> float:
@@ -111,7 +112,7 @@ def tree_speculative_decoding(
     generator = get_candidate_generator(drafter)
     auto_budget = auto_budget_for(drafter, model) if drafter.config.tree_budget == AUTO else None
     cache = full_attention_cache(model, model_kwargs["past_key_values"], generation_config, generator.tree_budget)
-    feature_layers = drafter.config.target_layer_ids
+    feature_layers = drafter.config.target_layer_ids if generator.reads_features else []
     tree_processor = TreeLogitsProcessor(logits_processor)  # refuses stateful processors before any forward
     accept = sample_accept if generation_config.do_sample else greedy_accept
     outputs = _Outputs(generation_config)
@@ -129,16 +130,16 @@ def tree_speculative_decoding(
         position_ids=((prefix_visible.long().cumsum(0) - 1).clamp(min=0))[None],
         past_key_values=cache,
         use_cache=True,
-        output_hidden_states=feature_layers,
+        output_hidden_states=feature_layers or False,
         logits_to_keep=1,
     )
     raw = prompt.logits[:, -1].float()
     processed = logits_processor(input_ids, raw.clone())
     token = torch.multinomial(processed.softmax(-1), 1)[0] if generation_config.do_sample else processed.argmax(-1)
-    features = torch.cat([prompt.hidden_states[i][0].to(model.device) for i in feature_layers], dim=-1)
-    features = features[prefix_visible]
+    features = target_features(prompt, feature_layers, input_ids.shape[1], model.device)[prefix_visible]
     next_position = int(prefix_visible.sum())  # rotary position of the first generated token
     prompt_length = input_ids.shape[1]
+    left_padding = prompt_length - next_position  # the committed text (what free candidates read) starts after it
     input_ids, kept, done = _commit(input_ids, token.to(input_ids.device), stopping_criteria, processed, streamer)
     outputs.record(processed, raw, kept)
     # the drafter reads committed positions lazily, right before it drafts (none at all while "auto" chooses 0)
@@ -153,7 +154,7 @@ def tree_speculative_decoding(
             budget = auto_budget.next_budget(drafter.config.auto_budget_explore_interval)
         else:
             budget = generator.tree_budget
-        tree, drafting_seconds = _draft(generator, int(input_ids[0, -1]), budget, model.device)
+        tree, drafting_seconds = _draft(generator, input_ids[0, left_padding:], budget, model.device)
         # verify
         sync(model.device)
         target_start = time.perf_counter()
@@ -167,8 +168,10 @@ def tree_speculative_decoding(
         compact_cache(cache, past_length, keep)
         sync(model.device)
         stats.target_time_s += time.perf_counter() - target_start
-        if auto_budget is not None and budget > 0:
-            auto_budget.observe(tree, path, drafting_seconds, budget=budget)
+        if budget > 0:
+            generator.record_verified(tree, path)
+            if auto_budget is not None:
+                auto_budget.observe(tree, path, drafting_seconds, budget=budget)
         new_tokens = torch.cat([tree.tokens[path], bonus.to(tree.tokens.device)]).to(input_ids.device)
         prefix_visible = torch.cat([prefix_visible, prefix_visible.new_ones(keep.numel())])
         next_position += keep.numel()
@@ -186,24 +189,25 @@ def tree_speculative_decoding(
     stats.new_tokens = input_ids.shape[1] - prompt_length
     stats.drafter_forwards = generator.stats.drafter_forwards
     stats.drafter_time_s = generator.stats.drafter_time_s
+    stats.accepted_by_source = dict(generator.stats.accepted_by_source)
     stats.total_time_s = time.perf_counter() - started
     drafter.last_stats = stats
     return outputs.result(input_ids, cache)
 
 
 def _draft(
-    generator: TreeCandidateGenerator, root_token: int, budget: int, device: torch.device
+    generator: TreeCandidateGenerator, sequence: torch.LongTensor, budget: int, device: torch.device
 ) -> tuple[DraftTree, float | None]:
-    """Read the queued context and draft a tree of at most `budget` nodes (budget 0: the root alone, no drafter
-    call). Also returns the step's drafting seconds where they are representative of a steady step (the drafter
+    """Read the queued context and draft a tree of at most `budget` nodes after the committed tokens `sequence` [T]
+    (budget 0: the root alone, no drafter call). Also returns the step's drafting seconds where they are representative of a steady step (the drafter
     read just the previous step, not a prompt or several skipped steps), else None."""
     if budget == 0:
-        return DraftTree.root_only(root_token, device), None
+        return DraftTree.root_only(int(sequence[-1]), device), None
     generator.tree_budget = budget
     steady = generator.has_read and len(generator.queued) == 1
     before = generator.stats.drafter_time_s
     generator.read_queued()
-    tree = generator.draft_tree(root_token)
+    tree = generator.draft_tree(sequence)
     return tree, (generator.stats.drafter_time_s - before if steady else None)
 
 

@@ -1,7 +1,8 @@
-"""Draft token trees: structure, attention masks and pruning.
+"""Draft token trees: structure, attention masks, merging candidate chains and pruning.
 
 A tree holds the last committed token as node 0 (the root) and the drafted tokens as nodes 1..N. Parents always
-come before their children, so every prefix of the node order is a valid tree.
+come before their children, so every prefix of the node order is a valid tree. Siblings hold distinct tokens (the
+acceptors rely on it): a chain from another candidate source is merged into the nodes it agrees with.
 """
 
 from __future__ import annotations
@@ -12,6 +13,9 @@ import torch
 
 from ..utils import additive_mask
 
+SOURCE_BITS = {"drafter": 1, "prompt_lookup": 2, "ngram_cache": 4}
+"""Candidate sources a tree node can come from (a node several sources proposed carries several bits)."""
+
 
 @dataclass
 class DraftTree:
@@ -21,13 +25,20 @@ class DraftTree:
     parents: [N+1] parent node index (-1 for the root)
     depths:  [N+1] distance to the root (root = 0)
     scores:  [N+1] cumulative draft log-probability (root = 0)
+    sources: [N+1] bit mask of the candidate sources that proposed each node (`SOURCE_BITS`; root = 0)
     """
 
     tokens: torch.LongTensor
     parents: torch.LongTensor
     depths: torch.LongTensor
     scores: torch.Tensor
+    sources: torch.LongTensor | None = None  # None: every drafted node is the drafter's
     _ancestors: torch.BoolTensor | None = field(default=None, init=False, repr=False)  # cache, reset on growth
+
+    def __post_init__(self) -> None:
+        if self.sources is None:
+            self.sources = torch.full_like(self.tokens, SOURCE_BITS["drafter"])
+            self.sources[0] = 0
 
     @classmethod
     def root_only(cls, token: int, device: torch.device | str = "cpu") -> "DraftTree":
@@ -50,8 +61,9 @@ class DraftTree:
         return int(self.depths.max())
 
     def add_nodes(
-        self, tokens: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor, scores: torch.Tensor
-    ) -> torch.LongTensor:
+        self, tokens: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor, scores: torch.Tensor,
+        source: str = "drafter",
+    ) -> torch.LongTensor:  # fmt: skip
         """Append nodes (each parent must already exist or come earlier in this call); returns their indices."""
         first = len(self)
         self._ancestors = None
@@ -59,7 +71,32 @@ class DraftTree:
         self.parents = torch.cat([self.parents, parents.to(self.parents)])
         self.depths = torch.cat([self.depths, depths.to(self.depths)])
         self.scores = torch.cat([self.scores, scores.to(self.scores)])
+        self.sources = torch.cat([self.sources, torch.full_like(tokens, SOURCE_BITS[source]).to(self.sources)])
         return torch.arange(first, len(self), device=self.tokens.device)
+
+    def merge_chain(self, tokens: list[int], scores: list[float], source: str, parent: int = 0) -> None:
+        """Hang the chain `tokens` (each a child of the previous, the first a child of `parent`) into the tree.
+
+        Where a node with the same token already sits under the same parent, the chain goes on from it: that node
+        gains `source` and keeps the better of both scores. The rest of the chain is appended as new nodes, so
+        siblings stay distinct. `scores[i]` is the cumulative score of `tokens[i]`.
+        """
+        bit = SOURCE_BITS[source]
+        node = parent
+        for i, (token, score) in enumerate(zip(tokens, scores)):
+            same = ((self.parents == node) & (self.tokens == token)).nonzero()
+            if same.numel() == 0:
+                rest = torch.tensor(tokens[i:], dtype=torch.long, device=self.tokens.device)
+                first = len(self)
+                chain_parents = torch.arange(first - 1, first - 1 + rest.numel(), device=rest.device)
+                chain_parents[0] = node
+                depth = int(self.depths[node]) + 1
+                depths = torch.arange(depth, depth + rest.numel(), device=rest.device)
+                self.add_nodes(rest, chain_parents, depths, torch.tensor(scores[i:]), source)
+                return
+            node = int(same[0, 0])
+            self.sources[node] |= bit
+            self.scores[node] = max(float(self.scores[node]), score)
 
     def ancestor_matrix(self) -> torch.BoolTensor:
         """[N+1, N+1] with `a[i, j]` True iff node j is node i or one of its ancestors (computed once per tree:
@@ -117,7 +154,7 @@ class DraftTree:
         kept = keep.nonzero().squeeze(1)
         parents = self.parents[kept]
         parents = torch.where(parents >= 0, new_index[parents.clamp(min=0)], parents)
-        return DraftTree(self.tokens[kept], parents, self.depths[kept], self.scores[kept])
+        return DraftTree(self.tokens[kept], parents, self.depths[kept], self.scores[kept], self.sources[kept])
 
     def children_of(self, node: int) -> torch.LongTensor:
         """Children of `node`, highest draft score first."""

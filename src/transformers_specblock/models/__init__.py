@@ -1,6 +1,8 @@
-"""The drafters: one configuration and one modeling file per drafter, on a shared tree-drafter base."""
+"""The drafters: one configuration and one modeling file per drafter, on a shared tree-drafter base (the lookup
+tree is the weightless one: free candidates only)."""
 
 from .eagle3 import Eagle3Config, Eagle3DraftModel, Eagle3Output
+from .lookup_tree import LookupTreeConfig, LookupTreeModel
 from .specblock import SpecBlockConfig, SpecBlockDraftModel, SpecBlockOutput
 from .tree_drafter import TreeDrafterConfig, TreeDraftModel
 
@@ -8,6 +10,8 @@ __all__ = [
     "Eagle3Config",
     "Eagle3DraftModel",
     "Eagle3Output",
+    "LookupTreeConfig",
+    "LookupTreeModel",
     "SpecBlockConfig",
     "SpecBlockDraftModel",
     "SpecBlockOutput",

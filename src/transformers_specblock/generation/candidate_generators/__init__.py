@@ -8,11 +8,13 @@ from typing import Any
 from ...models.tree_drafter.modeling_tree_drafter import TreeDraftModel
 from .base import DraftingStats, TreeCandidateGenerator
 from .eagle3 import Eagle3CandidateGenerator
+from .lookup_tree import LookupTreeCandidateGenerator
 from .specblock import SpecBlockCandidateGenerator
 
 CANDIDATE_GENERATOR_MAPPING: dict[str, type[TreeCandidateGenerator]] = {
     "specblock": SpecBlockCandidateGenerator,
     "eagle3_drafter": Eagle3CandidateGenerator,
+    "lookup_tree": LookupTreeCandidateGenerator,
 }
 
 
@@ -32,6 +34,7 @@ __all__ = [
     "CANDIDATE_GENERATOR_MAPPING",
     "DraftingStats",
     "Eagle3CandidateGenerator",
+    "LookupTreeCandidateGenerator",
     "SpecBlockCandidateGenerator",
     "TreeCandidateGenerator",
     "get_candidate_generator",

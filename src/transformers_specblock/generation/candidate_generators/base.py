@@ -1,4 +1,5 @@
-"""The base of the tree candidate generators: a drafter KV cache kept across iterations, context read lazily."""
+"""The base of the tree candidate generators: a drafter KV cache kept across iterations, context read lazily, free
+candidates (prompt lookup, n-gram cache) merged into every tree before it is pruned to the budget."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ from transformers.generation.candidate_generator import CandidateGenerator
 from ...models.tree_drafter.configuration_tree_drafter import AUTO
 from ...models.tree_drafter.modeling_tree_drafter import TreeDraftModel
 from ...utils import sync
-from ..tree import DraftTree
+from ..lookup import FreeCandidates, LookupSettings
+from ..tree import SOURCE_BITS, DraftTree
 
 
 @dataclass
@@ -21,6 +23,7 @@ class DraftingStats:
     drafter_forwards: int = 0
     drafter_time_s: float = 0.0
     blocks_per_iteration: list[int] = field(default_factory=list)
+    accepted_by_source: dict[str, int] = field(default_factory=lambda: dict.fromkeys(SOURCE_BITS, 0))
 
 
 class TreeCandidateGenerator(CandidateGenerator):
@@ -29,10 +32,13 @@ class TreeCandidateGenerator(CandidateGenerator):
     The loop `queue`s the target features of newly committed positions; `read_queued` feeds them to the drafter
     (`observe`, one call however many steps were queued) right before `draft_tree` grows a tree from the last
     committed token, so a drafter that skips steps (tree_budget="auto" choosing 0) reads nothing until it drafts.
-    Subclasses implement `observe` and `draft_tree`; drafter time and forwards are counted in `stats`.
+    `draft_tree` merges the free candidates (`generation.lookup`) into the drafter's tree and prunes the whole to
+    the budget; `record_verified` tells them what the target accepted. Subclasses implement `observe` and
+    `grow_tree`; drafter time and forwards are counted in `stats`.
     """
 
     requires_model_outputs = True
+    reads_features = True  # whether `observe` needs the target's hidden states (else it gets [P, 0] features)
 
     def __init__(self, drafter: TreeDraftModel, tree_budget: int | None = None) -> None:
         self.drafter = drafter
@@ -45,6 +51,8 @@ class TreeCandidateGenerator(CandidateGenerator):
         self.queued: list[tuple[torch.Tensor, torch.LongTensor]] = []  # (features [P, 3H], next tokens [P])
         self.queued_first_position = 0
         self.has_read = False  # whether the drafter has read any context yet
+        lookup = LookupSettings.from_config(drafter.config)
+        self.free_candidates = FreeCandidates(lookup) if lookup.enabled else None
 
     def queue(self, target_features: torch.Tensor, next_tokens: torch.LongTensor, first_position: int) -> None:
         """Remember committed positions for the drafter to read before its next draft (see `observe`)."""
@@ -68,16 +76,34 @@ class TreeCandidateGenerator(CandidateGenerator):
         is the rotary position of next_tokens[0]."""
         raise NotImplementedError
 
-    def draft_tree(self, root_token: int) -> DraftTree:
-        """A tree rooted at the last committed token, pruned to `tree_budget` drafted nodes."""
+    def grow_tree(self, root_token: int) -> DraftTree:
+        """The drafter's tree rooted at the last committed token (not yet pruned)."""
         raise NotImplementedError
+
+    def draft_tree(self, sequence: torch.LongTensor) -> DraftTree:
+        """The drafter's tree for the committed tokens `sequence` [T] (the last one is the root), with the free
+        candidates merged in, pruned to `tree_budget` drafted nodes."""
+        tree = self.grow_tree(int(sequence[-1]))
+        if self.free_candidates is not None:
+            start = time.perf_counter()
+            self.free_candidates.add_to(tree, sequence)
+            self._account(start, forwards=0)
+        return tree.prune(self.tree_budget)
+
+    def record_verified(self, tree: DraftTree, path: torch.LongTensor) -> None:
+        """What the target accepted of a verified tree: counted per source, and learnt by the free candidates."""
+        accepted = tree.sources[path.to(tree.sources.device)]
+        for source, bit in SOURCE_BITS.items():
+            self.stats.accepted_by_source[source] += int(((accepted & bit) > 0).sum())
+        if self.free_candidates is not None:
+            self.free_candidates.record(tree, path)
 
     def get_candidates(self, input_ids: torch.LongTensor, **kwargs) -> tuple[torch.LongTensor, None]:
         """`CandidateGenerator` API: the drafted tree's tokens in topological order after `input_ids`.
 
         The tree structure the verifier needs is kept in `self.tree`.
         """
-        self.tree = self.draft_tree(int(input_ids[0, -1]))
+        self.tree = self.draft_tree(input_ids[0])
         return torch.cat([input_ids, self.tree.tokens[1:][None].to(input_ids.device)], dim=1), None
 
     def update_candidate_strategy(self, input_ids: torch.LongTensor, scores: torch.Tensor, num_matches: int) -> None:

@@ -82,8 +82,8 @@ class Eagle3CandidateGenerator(TreeCandidateGenerator):
         self._account(start)
 
     # ---------------------------------------------------------------------------------------------------------
-    def draft_tree(self, root_token: int) -> DraftTree:
-        """Grow the dynamic top-k tree from the last committed token (whose output `observe` already computed)."""
+    def grow_tree(self, root_token: int) -> DraftTree:
+        """The dynamic top-k tree from the last committed token, whose output `observe` computed (`draft_tree` prunes)."""
         if self.root_output is None:
             raise RuntimeError("observe() must feed the committed context before draft_tree().")
         start = time.perf_counter()
@@ -122,4 +122,4 @@ class Eagle3CandidateGenerator(TreeCandidateGenerator):
         truncate_cache(self.cache, self.committed_entries)
         self.stats.blocks_per_iteration.append(rounds)
         self._account(start, forwards=0)
-        return tree.prune(self.tree_budget)
+        return tree

@@ -91,8 +91,8 @@ class SpecBlockCandidateGenerator(TreeCandidateGenerator):
         return out
 
     # ---------------------------------------------------------------------------------------------------------
-    def draft_tree(self, root_token: int) -> DraftTree:
-        """Grow the tree from the last committed token (whose block 1 `observe` already drafted)."""
+    def grow_tree(self, root_token: int) -> DraftTree:
+        """The block tree from the last committed token, whose block 1 `observe` drafted (`draft_tree` prunes)."""
         if self.root_block is None:
             raise RuntimeError("observe() must feed the committed context before draft_tree().")
         start = time.perf_counter()
@@ -148,7 +148,7 @@ class SpecBlockCandidateGenerator(TreeCandidateGenerator):
         truncate_cache(self.cache, self.committed_entries)
         self.stats.blocks_per_iteration.append(blocks)
         self._account(start, forwards=0)
-        return tree.prune(self.tree_budget)
+        return tree
 
     def _widths(self, rank_logits: torch.Tensor) -> torch.Tensor:
         """[B, K, C] rank logits -> [B, K] candidates per slot (0 = end the branch here)."""

@@ -59,6 +59,16 @@ class TreeDrafterConfig(PretrainedConfig):
         auto_budget_explore_interval: With tree_budget="auto", every this many verified steps one tree is drafted
             above the chosen budget (also when the choice is 0), so larger budgets keep being measured and the
             choice can move up again.
+        prompt_lookup_num_tokens: Free candidates from prompt lookup (0 = off): where the text's last n-gram occurred
+            before (in the prompt or the generated text), the up to this many tokens that followed it become a chain
+            of the tree, beside the drafter's nodes (merged where they agree).
+        prompt_lookup_max_ngram_size / prompt_lookup_min_ngram_size: n-gram lengths matched, longest first.
+        prompt_lookup_branches: At most this many distinct lookup chains per tree (most recent matches first).
+        ngram_cache_num_tokens: Free candidates from a per-sequence n-gram cache (0 = off): a chain of up to this many
+            tokens, walking what most often followed each `ngram_cache_order`-gram of the committed text.
+        ngram_cache_order: Tokens of context of the n-gram cache.
+        Free candidates cost no drafter call; their nodes are scored by the acceptance rate each source earned in
+        this `generate` call, so pruning to `tree_budget` (and "auto") weighs them with the drafter's nodes.
     """
 
     drafter_name = "tree"
@@ -89,6 +99,12 @@ class TreeDrafterConfig(PretrainedConfig):
         auto_budget_candidates: list[int] | tuple[int, ...] = DEFAULT_CANDIDATES,
         auto_budget_warmup: int = 8,
         auto_budget_explore_interval: int = DEFAULT_EXPLORE_INTERVAL,
+        prompt_lookup_num_tokens: int = 0,
+        prompt_lookup_max_ngram_size: int = 3,
+        prompt_lookup_min_ngram_size: int = 1,
+        prompt_lookup_branches: int = 4,
+        ngram_cache_num_tokens: int = 0,
+        ngram_cache_order: int = 2,
         **kwargs: Any,
     ) -> None:
         kwargs.setdefault("tie_word_embeddings", False)
@@ -118,6 +134,12 @@ class TreeDrafterConfig(PretrainedConfig):
         self.auto_budget_candidates = list(auto_budget_candidates)
         self.auto_budget_warmup = auto_budget_warmup
         self.auto_budget_explore_interval = auto_budget_explore_interval
+        self.prompt_lookup_num_tokens = prompt_lookup_num_tokens
+        self.prompt_lookup_max_ngram_size = prompt_lookup_max_ngram_size
+        self.prompt_lookup_min_ngram_size = prompt_lookup_min_ngram_size
+        self.prompt_lookup_branches = prompt_lookup_branches
+        self.ngram_cache_num_tokens = ngram_cache_num_tokens
+        self.ngram_cache_order = ngram_cache_order
         super().__init__(**kwargs)
         self.validate_settings()
 
@@ -136,12 +158,31 @@ class TreeDrafterConfig(PretrainedConfig):
         interval = self.auto_budget_explore_interval
         if not isinstance(interval, int) or isinstance(interval, bool) or interval < 1:
             raise ValueError(f"auto_budget_explore_interval must be an int >= 1, got {interval!r}.")
+        self._validate_lookup_settings()
         if len(self.target_layer_ids) != 3:
             raise ValueError(f"target_layer_ids must name 3 hidden states, got {self.target_layer_ids}.")
         if max(self.target_layer_ids) > self.target_num_hidden_layers or min(self.target_layer_ids) < 0:
             raise ValueError(
                 f"target_layer_ids {self.target_layer_ids} fall outside the target's hidden states "
                 f"0..{self.target_num_hidden_layers}."
+            )
+
+    def _validate_lookup_settings(self) -> None:
+        counts = {
+            "prompt_lookup_num_tokens": (self.prompt_lookup_num_tokens, 0),
+            "prompt_lookup_max_ngram_size": (self.prompt_lookup_max_ngram_size, 1),
+            "prompt_lookup_min_ngram_size": (self.prompt_lookup_min_ngram_size, 1),
+            "prompt_lookup_branches": (self.prompt_lookup_branches, 1),
+            "ngram_cache_num_tokens": (self.ngram_cache_num_tokens, 0),
+            "ngram_cache_order": (self.ngram_cache_order, 1),
+        }
+        for name, (value, least) in counts.items():
+            if not isinstance(value, int) or isinstance(value, bool) or value < least:
+                raise ValueError(f"{name} must be an int >= {least}{' (0 = off)' if least == 0 else ''}, got {value!r}.")
+        if self.prompt_lookup_min_ngram_size > self.prompt_lookup_max_ngram_size:
+            raise ValueError(
+                f"prompt_lookup_min_ngram_size ({self.prompt_lookup_min_ngram_size}) must not exceed "
+                f"prompt_lookup_max_ngram_size ({self.prompt_lookup_max_ngram_size})."
             )
 
     @classmethod

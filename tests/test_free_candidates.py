@@ -1,0 +1,144 @@
+"""Free candidates (prompt lookup, n-gram cache) in the tree: the sources, merging without duplicate siblings, the
+learnt source scores, exactness with every source on (greedy and sampling), the lookup tree and bad settings."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import make_drafter, make_target
+from test_eagle3 import make_eagle3
+from test_sampling_lossless import ALPHA, exact_marginals, fit_pvalues, sample_counts
+from transformers_specblock import LookupTreeConfig, LookupTreeModel
+from transformers_specblock.generation.lookup import NgramCache, SourceScores, prompt_lookup_chains
+from transformers_specblock.generation.tree import SOURCE_BITS, DraftTree
+
+LOOKUP = dict(prompt_lookup_num_tokens=6, prompt_lookup_branches=3, ngram_cache_num_tokens=5)
+
+
+def test_prompt_lookup_finds_recent_longest_matches_first():
+    text = torch.tensor([1, 2, 3, 9, 1, 2, 3, 8, 5, 1, 2, 3])
+    # the 3-gram [1, 2, 3] occurred at 4 (followed by 8 5 1) and at 0 (followed by 9 1 2): most recent first
+    assert prompt_lookup_chains(text, 3, 3, 1, 4) == [[8, 5, 1], [9, 1, 2]]
+    assert prompt_lookup_chains(text, 3, 3, 1, 1) == [[8, 5, 1]]
+    # shorter n-grams find the same places again: no duplicate branches; a 1-gram finds [3] -> 9 / 8 only
+    assert prompt_lookup_chains(text, 2, 1, 1, 4) == [[8, 5], [9, 1]]
+    assert prompt_lookup_chains(torch.tensor([4, 5, 6, 7]), 5, 3, 1, 4) == []  # nothing to copy
+    assert prompt_lookup_chains(torch.tensor([7]), 5, 3, 1, 4) == []
+
+
+def test_ngram_cache_counts_and_walks():
+    cache = NgramCache(order=2)
+    text = [1, 2, 3, 1, 2, 4, 1, 2, 3]
+    cache.update(text[:5])
+    cache.update(text)  # incremental: only the n-grams ending after the last update are added
+    assert cache.table[(1, 2)] == {3: 2, 4: 1} and cache.indexed == len(text)
+    # from (2, 3): 1, then (3, 1): 2, then (1, 2): 3 (seen twice, against 4 once), then (2, 3) again ...
+    assert cache.chain(text, 4) == [1, 2, 3, 1]
+    assert cache.chain([9, 9], 4) == []
+
+
+def _drafter_tree() -> DraftTree:
+    tree = DraftTree.root_only(0)
+    tree.add_nodes(torch.tensor([5, 6]), torch.tensor([0, 1]), torch.tensor([1, 2]), torch.tensor([-0.5, -1.0]))
+    return tree
+
+
+def test_merge_chain_joins_agreeing_nodes_and_never_duplicates_siblings():
+    tree = _drafter_tree()
+    tree.merge_chain([5, 7, 8], [-0.1, -0.2, -0.3], "prompt_lookup")
+    assert tree.tokens.tolist() == [0, 5, 6, 7, 8] and tree.parents.tolist() == [-1, 0, 1, 1, 3]
+    assert tree.sources.tolist() == [0, 1 | 2, 1, 2, 2]  # node 5 was proposed by both
+    assert tree.scores[1].item() == pytest.approx(-0.1)  # the better score of the two sources
+    tree.merge_chain([5, 6], [-2.0, -3.0], "ngram_cache")  # entirely inside the tree: nothing new
+    assert len(tree) == 5 and tree.sources[2].item() == 1 | 4 and tree.scores[2].item() == pytest.approx(-1.0)
+    for node in range(len(tree)):
+        kids = tree.children_of(node)
+        assert len(set(tree.tokens[kids].tolist())) == kids.numel()
+    pruned = tree.prune(2)  # sources follow pruning
+    assert pruned.tokens.tolist() == [0, 5, 7] and pruned.sources.tolist() == [0, 1 | 2 | 4, 2]
+
+
+def test_source_scores_learn_from_accepted_paths():
+    scores = SourceScores()
+    assert scores.log_rates("prompt_lookup", 2) == pytest.approx([torch.tensor(0.5).log().item(), torch.tensor(0.25).log().item()])
+    tree = _drafter_tree()
+    tree.merge_chain([5, 7, 8], [-0.1, -0.2, -0.3], "prompt_lookup")
+    scores.record(tree, torch.tensor([1, 3]))  # 5 and 7 accepted: depth 1 tried 1 / hit 1, depth 2 1/1, depth 3 1/0
+    assert scores.attempted["prompt_lookup"][:3] == [1.0, 1.0, 1.0]
+    assert scores.accepted["prompt_lookup"][:3] == [1.0, 1.0, 0.0]
+    assert "ngram_cache" not in scores.attempted or sum(scores.attempted["ngram_cache"]) == 0
+    rates = scores.log_rates("prompt_lookup", 3)
+    assert rates[0] == pytest.approx(torch.tensor(2 / 3).log().item()) and rates[2] < rates[1] < rates[0]
+
+
+def _repetitive_prompt(vocab: int, seed: int) -> torch.LongTensor:
+    phrase = torch.randint(1, vocab, (6,), generator=torch.Generator().manual_seed(seed))
+    return torch.cat([phrase, phrase[:4], phrase, phrase[:3]])[None]
+
+
+@pytest.mark.parametrize("kind", ["specblock", "eagle3", "lookup_tree"])
+@pytest.mark.parametrize("budget", [4, 24])
+def test_greedy_equals_target_with_every_source(kind, budget, one_thread):
+    vocab, proposed = 24, {"prompt_lookup": 0, "ngram_cache": 0, "drafter": 0}
+    for seed in range(3):
+        target = make_target("llama", vocab_size=vocab, seed=seed)
+        if kind == "specblock":
+            drafter = make_drafter(target, seed=seed, tree_budget=budget, **LOOKUP)
+        elif kind == "eagle3":
+            drafter = make_eagle3(target, seed=seed, tree_budget=budget, tree_top_k=3, tree_depth=3, **LOOKUP)
+        else:
+            drafter = LookupTreeModel.from_target(target, tree_budget=budget, **LOOKUP)
+        prompt = _repetitive_prompt(vocab, seed)
+        reference = target.generate(prompt, do_sample=False, max_new_tokens=40)
+        out = target.generate(prompt, assistant_model=drafter, do_sample=False, max_new_tokens=40)
+        assert out.tolist() == reference.tolist(), f"seed {seed}"
+        stats = drafter.last_stats
+        assert max(stats.nodes_per_iteration) <= budget
+        assert sum(stats.accepted_by_source.values()) >= sum(stats.accepted_per_iteration) - stats.iterations
+        for source, count in stats.accepted_by_source.items():
+            proposed[source] += count
+    assert proposed["prompt_lookup"] > 0 and proposed["ngram_cache"] > 0  # the sources really took part
+    assert (proposed["drafter"] > 0) == (kind != "lookup_tree")
+
+
+@pytest.mark.parametrize("kind", ["specblock", "lookup_tree"])
+def test_sampling_keeps_the_target_distribution_with_free_candidates(kind, one_thread):
+    target = make_target("llama", vocab_size=8, seed=3, initializer_range=0.08)
+    settings = dict(prompt_lookup_num_tokens=3, prompt_lookup_branches=3, ngram_cache_num_tokens=3, ngram_cache_order=1)
+    if kind == "specblock":  # lookup chains land on drafter nodes and beside them
+        drafter = make_drafter(target, tree_policy="fixed", fixed_width=3, block_size=3, max_blocks=2, tree_budget=16, **settings)
+    else:
+        drafter = LookupTreeModel.from_target(target, tree_budget=16, **settings)
+    counts = sample_counts(target, drafter, seed=0)
+    assert sum(drafter.last_stats.nodes_per_iteration) > 0
+    pvalues = fit_pvalues(counts, exact_marginals(target))
+    assert min(pvalues) > ALPHA, f"p-values {pvalues}"
+
+
+def test_bad_lookup_settings_are_refused():
+    target = make_target("llama", vocab_size=24)
+    drafter = make_drafter(target)
+    with pytest.raises(ValueError, match="prompt_lookup_num_tokens must be an int >= 0"):
+        with drafter.tree_settings(prompt_lookup_num_tokens=-1):
+            pass
+    with pytest.raises(ValueError, match="must not exceed prompt_lookup_max_ngram_size"):
+        with drafter.tree_settings(prompt_lookup_min_ngram_size=4, prompt_lookup_max_ngram_size=2):
+            pass
+    with pytest.raises(ValueError, match="needs a candidate source"):
+        LookupTreeConfig(prompt_lookup_num_tokens=0, ngram_cache_num_tokens=0)
+    lookup = LookupTreeModel.from_target(make_target("llama", vocab_size=32))
+    with pytest.raises(ValueError, match="vocabulary of 32 tokens, but the target has 24"):
+        target.generate(torch.tensor([[1, 2, 3]]), assistant_model=lookup, max_new_tokens=4)
+
+
+def test_lookup_tree_saves_and_loads(tmp_path):
+    target = make_target("llama", vocab_size=24)
+    lookup = LookupTreeModel.from_target(target, prompt_lookup_num_tokens=7)
+    lookup.save_pretrained(tmp_path)
+    loaded = LookupTreeModel.from_pretrained(tmp_path)
+    assert loaded.config.prompt_lookup_num_tokens == 7 and loaded.config.tree_budget == "auto"
+    prompt = _repetitive_prompt(24, 0)
+    assert target.generate(prompt, assistant_model=loaded, max_new_tokens=12).tolist() == target.generate(
+        prompt, max_new_tokens=12
+    ).tolist()
