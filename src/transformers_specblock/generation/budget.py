@@ -28,6 +28,7 @@ from ..models.tree_drafter.configuration_tree_drafter import DEFAULT_EXPLORE_INT
 from ..models.tree_drafter.modeling_tree_drafter import TreeDraftModel
 from ..utils import sync
 from .cache_utils import truncate_cache
+from .lookup import LookupSettings
 from .tree import DraftTree, tree_verification_mask
 
 DEFAULT_WINDOW = 64  # verified steps: the estimates are means over the samples of the last `window` steps
@@ -230,12 +231,14 @@ class AutoBudget:
 
 def auto_budget_for(drafter: TreeDraftModel, target: PreTrainedModel) -> AutoBudget:
     """The `tree_budget="auto"` chooser of `drafter` for `target`, kept on the drafter: the target's cost curve is
-    measured once per model and device, and what it learns about acceptance carries over between `generate` calls."""
+    measured once per model and device, and what it learns about acceptance carries over between `generate` calls
+    (as the drafter's own tree settings change too), except that other free-candidate settings (`generation.lookup`)
+    get their own chooser: a drafter with and without prompt lookup draws different kinds of trees."""
     config = drafter.config
     candidates = list(config.auto_budget_candidates)
-    key = (id(target), str(target.device), tuple(candidates))
-    chooser = drafter.__dict__.get("_auto_budget")
-    if chooser is None or drafter.__dict__.get("_auto_budget_key") != key:
-        chooser = AutoBudget(candidates, measure_target_cost(target, candidates), warmup=config.auto_budget_warmup)
-        drafter.__dict__.update(_auto_budget=chooser, _auto_budget_key=key)
-    return chooser
+    key = (id(target), str(target.device), tuple(candidates), LookupSettings.from_config(config))
+    choosers = drafter.__dict__.setdefault("_auto_budgets", {})
+    if key not in choosers:
+        choosers[key] = AutoBudget(candidates, measure_target_cost(target, candidates), warmup=config.auto_budget_warmup)
+    drafter.__dict__["_auto_budget"] = choosers[key]  # the chooser of the latest call, for inspection
+    return choosers[key]

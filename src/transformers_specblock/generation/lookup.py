@@ -109,7 +109,7 @@ class SourceScores:
                 hits[d] += float(accepted)
 
 
-@dataclass
+@dataclass(frozen=True)
 class LookupSettings:
     """The free-candidate settings of a drafter config (see `TreeDrafterConfig`)."""
 
