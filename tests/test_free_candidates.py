@@ -3,6 +3,8 @@ learnt source scores, exactness with every source on (greedy and sampling), the 
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -19,10 +21,12 @@ LOOKUP = dict(prompt_lookup_num_tokens=6, prompt_lookup_branches=3, ngram_cache_
 def test_prompt_lookup_finds_recent_longest_matches_first():
     text = torch.tensor([1, 2, 3, 9, 1, 2, 3, 8, 5, 1, 2, 3])
     # the 3-gram [1, 2, 3] occurred at 4 (followed by 8 5 1) and at 0 (followed by 9 1 2): most recent first
-    assert prompt_lookup_chains(text, 3, 3, 1, 4) == [[8, 5, 1], [9, 1, 2]]
-    assert prompt_lookup_chains(text, 3, 3, 1, 1) == [[8, 5, 1]]
-    # shorter n-grams find the same places again: no duplicate branches; a 1-gram finds [3] -> 9 / 8 only
-    assert prompt_lookup_chains(text, 2, 1, 1, 4) == [[8, 5], [9, 1]]
+    assert prompt_lookup_chains(text, 3, 3, 1, 4) == [(3, [8, 5, 1]), (3, [9, 1, 2])]
+    assert prompt_lookup_chains(text, 3, 3, 1, 1) == [(3, [8, 5, 1])]
+    # shorter n-grams find the same places again: no duplicate branches
+    assert prompt_lookup_chains(text, 2, 1, 1, 4) == [(1, [8, 5]), (1, [9, 1])]
+    text = torch.tensor([4, 3, 6, 1, 2, 3, 7, 2, 3])  # [2, 3] once (-> 7), then [3] alone twice more (-> 6, -> 7 dup)
+    assert prompt_lookup_chains(text, 2, 2, 1, 4) == [(2, [7, 2]), (1, [6, 1])]
     assert prompt_lookup_chains(torch.tensor([4, 5, 6, 7]), 5, 3, 1, 4) == []  # nothing to copy
     assert prompt_lookup_chains(torch.tensor([7]), 5, 3, 1, 4) == []
 
@@ -61,15 +65,18 @@ def test_merge_chain_joins_agreeing_nodes_and_never_duplicates_siblings():
 
 def test_source_scores_learn_from_accepted_paths():
     scores = SourceScores()
-    assert scores.log_rates("prompt_lookup", 2) == pytest.approx([torch.tensor(0.5).log().item(), torch.tensor(0.25).log().item()])
+    assert scores.log_rates("prompt_lookup:3", 2) == pytest.approx([math.log(0.5), math.log(0.25)])
     tree = _drafter_tree()
     tree.merge_chain([5, 7, 8], [-0.1, -0.2, -0.3], "prompt_lookup")
-    scores.record(tree, torch.tensor([1, 3]))  # 5 and 7 accepted: depth 1 tried 1 / hit 1, depth 2 1/1, depth 3 1/0
-    assert scores.attempted["prompt_lookup"][:3] == [1.0, 1.0, 1.0]
-    assert scores.accepted["prompt_lookup"][:3] == [1.0, 1.0, 0.0]
-    assert "ngram_cache" not in scores.attempted or sum(scores.attempted["ngram_cache"]) == 0
-    rates = scores.log_rates("prompt_lookup", 3)
-    assert rates[0] == pytest.approx(torch.tensor(2 / 3).log().item()) and rates[2] < rates[1] < rates[0]
+    children = {(p, t): i for i, (p, t) in enumerate(zip(tree.parents.tolist(), tree.tokens.tolist()))}
+    accepted = [5, 7]  # then the target wanted another token than 8
+    scores.record("prompt_lookup:3", [5, 7, 8], children, accepted)
+    scores.record("prompt_lookup:1", [5, 9], children, accepted)  # 9 was pruned away: depth 2 never tried
+    assert scores.attempted["prompt_lookup:3"][:3] == [1.0, 1.0, 1.0]
+    assert scores.accepted["prompt_lookup:3"][:3] == [1.0, 1.0, 0.0]
+    assert scores.attempted["prompt_lookup:1"][:2] == [1.0, 0.0] and scores.accepted["prompt_lookup:1"][0] == 1.0
+    rates = scores.log_rates("prompt_lookup:3", 3)
+    assert rates[0] == pytest.approx(math.log(2 / 3)) and rates[2] < rates[1] < rates[0]
 
 
 def _repetitive_prompt(vocab: int, seed: int) -> torch.LongTensor:

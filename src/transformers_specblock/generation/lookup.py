@@ -3,9 +3,10 @@
 Neither source calls a model. `prompt_lookup_chains` copies what followed earlier occurrences of the text's last
 n-gram (in the prompt or the generated text; several matches give several branches); `NgramCache` walks a table of
 what followed every short n-gram of the committed text so far. `FreeCandidates` merges their chains into the tree
-(`DraftTree.merge_chain`: no duplicate siblings) with scores on the drafter's scale: a source's node at depth d
-scores the sum of the log acceptance rates `SourceScores` learnt for that source at depths 1..d, so pruning to the
-tree budget (and `tree_budget="auto"`) ranks every candidate by one rule, whichever source proposed it.
+(`DraftTree.merge_chain`: no duplicate siblings) with scores on the drafter's scale: a chain's node at depth d
+scores the sum of the log acceptance rates `SourceScores` learnt for its kind (the source; for prompt lookup also
+the matched n-gram length) at depths 1..d, so pruning to the tree budget (and `tree_budget="auto"`) ranks every
+candidate by one rule, whichever source proposed it.
 """
 
 from __future__ import annotations
@@ -16,29 +17,26 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .tree import SOURCE_BITS, DraftTree
-
-LOOKUP_SOURCES = ("prompt_lookup", "ngram_cache")
-
+from .tree import DraftTree
 
 def prompt_lookup_chains(
     sequence: torch.LongTensor, num_tokens: int, max_ngram_size: int, min_ngram_size: int, max_branches: int
-) -> list[list[int]]:
-    """Continuations of the earlier occurrences of the text's last n-gram, longest n first, most recent first.
+) -> list[tuple[int, list[int]]]:
+    """(n, continuation) of the earlier occurrences of the text's last n-gram, longest n first, most recent first.
 
     sequence: [T] committed tokens (prompt and generated). Each match at n in [min_ngram_size, max_ngram_size] yields
     the (up to `num_tokens`) tokens that followed it; a continuation already proposed (or a prefix of one) is
     skipped, and at most `max_branches` are returned.
     """
     length = sequence.shape[0]
-    chains: list[list[int]] = []
+    chains: list[tuple[int, list[int]]] = []
     for n in range(min(max_ngram_size, length - 1), min_ngram_size - 1, -1):
         windows = sequence[: length - 1].unfold(0, n, 1)  # [T-n, n]: every n-gram ending before the last token
         starts = (windows == sequence[length - n :]).all(dim=1).nonzero().squeeze(1).flip(0)  # most recent first
         for start in starts.tolist():
             chain = sequence[start + n : start + n + num_tokens].tolist()
-            if chain and not any(other[: len(chain)] == chain for other in chains):
-                chains.append(chain)
+            if chain and not any(other[: len(chain)] == chain for _, other in chains):
+                chains.append((n, chain))
                 if len(chains) == max_branches:
                     return chains
     return chains
@@ -73,16 +71,22 @@ class NgramCache:
 
 @dataclass
 class SourceScores:
-    """Per source and depth, how often a proposed node was accepted when its parent was (a Beta(1, 1) prior)."""
+    """Per kind of proposal (a source, and for prompt lookup the matched n-gram length) and per depth: how often a
+    proposed token was accepted when the tokens before it were (a Beta(1, 1) prior)."""
 
     max_depth: int = 16
     accepted: dict[str, list[float]] = field(default_factory=dict)
     attempted: dict[str, list[float]] = field(default_factory=dict)
 
-    def log_rates(self, source: str, depth: int) -> list[float]:
-        """Cumulative log acceptance rate of a chain node at depths 1..depth: the chain's node scores."""
-        hits = self.accepted.setdefault(source, [0.0] * self.max_depth)
-        tries = self.attempted.setdefault(source, [0.0] * self.max_depth)
+    def _counts(self, kind: str) -> tuple[list[float], list[float]]:
+        return (
+            self.accepted.setdefault(kind, [0.0] * self.max_depth),
+            self.attempted.setdefault(kind, [0.0] * self.max_depth),
+        )
+
+    def log_rates(self, kind: str, depth: int) -> list[float]:
+        """Cumulative log acceptance rate of a chain of this kind at depths 1..depth: the chain's node scores."""
+        hits, tries = self._counts(kind)
         total, out = 0.0, []
         for d in range(depth):
             k = min(d, self.max_depth - 1)
@@ -90,23 +94,23 @@ class SourceScores:
             out.append(total)
         return out
 
-    def record(self, tree: DraftTree, path: torch.LongTensor) -> None:
-        """Count, for every lookup source, its nodes whose parent was accepted (tried) and those accepted."""
-        on_path = torch.zeros(len(tree), dtype=torch.bool, device=tree.tokens.device)
-        on_path[0] = True
-        on_path[path.to(on_path.device)] = True
-        tried = on_path[tree.parents.clamp(min=0)]
-        tried[0] = False
-        for source in LOOKUP_SOURCES:
-            mine = tried & ((tree.sources & SOURCE_BITS[source]) > 0)
-            if not bool(mine.any()):
-                continue
-            depth = (tree.depths[mine] - 1).clamp(max=self.max_depth - 1)
-            hits = self.accepted.setdefault(source, [0.0] * self.max_depth)
-            tries = self.attempted.setdefault(source, [0.0] * self.max_depth)
-            for d, accepted in zip(depth.tolist(), on_path[mine].tolist()):
-                tries[d] += 1.0
-                hits[d] += float(accepted)
+    def record(self, kind: str, chain: list[int], children: dict[tuple[int, int], int], accepted: list[int]) -> None:
+        """Count how far the verified tree tried and accepted one proposed chain.
+
+        children: (parent node, token) -> node of the verified tree; accepted: the accepted tokens in order. A chain
+        token is tried when every token before it was accepted and it survived pruning.
+        """
+        hits, tries = self._counts(kind)
+        node = 0
+        for d, token in enumerate(chain):
+            node = children.get((node, token), -1)
+            if node < 0:  # pruned away: never shown to the target
+                return
+            k = min(d, self.max_depth - 1)
+            tries[k] += 1.0
+            if d >= len(accepted) or accepted[d] != token:
+                return
+            hits[k] += 1.0
 
 
 @dataclass(frozen=True)
@@ -136,23 +140,31 @@ class FreeCandidates:
         self.settings = settings
         self.scores = SourceScores()
         self.ngram_cache = NgramCache(settings.ngram_cache_order) if settings.ngram_cache_num_tokens else None
+        self.proposed: list[tuple[str, list[int]]] = []  # (kind, chain) merged into the latest tree
 
     def add_to(self, tree: DraftTree, sequence: torch.LongTensor) -> None:
         """Merge every source's chains for the committed `sequence` [T] (its last token is the root) into `tree`."""
         s = self.settings
+        self.proposed = []
         if s.prompt_lookup_num_tokens:
             chains = prompt_lookup_chains(
                 sequence, s.prompt_lookup_num_tokens, s.prompt_lookup_max_ngram_size, s.prompt_lookup_min_ngram_size,
                 s.prompt_lookup_branches,
             )  # fmt: skip
-            for chain in chains:
-                tree.merge_chain(chain, self.scores.log_rates("prompt_lookup", len(chain)), "prompt_lookup")
+            self.proposed += [(f"prompt_lookup:{n}", chain) for n, chain in chains]
         if self.ngram_cache is not None:
             text = sequence.tolist()
             self.ngram_cache.update(text)
             chain = self.ngram_cache.chain(text, s.ngram_cache_num_tokens)
-            if chain:
-                tree.merge_chain(chain, self.scores.log_rates("ngram_cache", len(chain)), "ngram_cache")
+            self.proposed += [("ngram_cache", chain)] if chain else []
+        for kind, chain in self.proposed:
+            tree.merge_chain(chain, self.scores.log_rates(kind, len(chain)), kind.partition(":")[0])
 
     def record(self, tree: DraftTree, path: torch.LongTensor) -> None:
-        self.scores.record(tree, path)
+        """Learn from the verified (pruned) tree and its accepted path how far each proposed chain got."""
+        if not self.proposed:
+            return
+        children = {(p, t): i for i, (p, t) in enumerate(zip(tree.parents.tolist(), tree.tokens.tolist()))}
+        accepted = tree.tokens[path].tolist()
+        for kind, chain in self.proposed:
+            self.scores.record(kind, chain, children, accepted)
