@@ -39,3 +39,41 @@ def test_eagle3_logits_to_keep_equals_the_last_row_of_the_full_head():
     last = drafter.draft_step(hidden, tokens, positions, mask, DynamicCache(), logits_to_keep=1)
     assert last.logits.shape == (1, 1, drafter.config.draft_vocab_size)
     torch.testing.assert_close(last.logits[0, -1], full.logits[0, -1])
+
+
+def _grown_then_pruned_equals_grown_at_budget(make_generator, budgets, features, tokens):
+    """A tree grown at each small budget (rounds that cannot survive pruning skipped) equals the tree grown with no
+    budget limit and pruned to it; returns the drafter forwards each small budget ran."""
+    forwards = {}
+    for budget in budgets:
+        full = make_generator(10_000)
+        small = make_generator(budget)
+        for generator in (full, small):
+            generator.observe(features, tokens, first_position=1)
+        before = small.stats.drafter_forwards
+        with torch.no_grad():
+            expected = full.grow_tree(int(tokens[-1])).prune(budget)
+            got = small.draft_tree(tokens)
+        forwards[budget] = small.stats.drafter_forwards - before
+        assert got.tokens.tolist() == expected.tokens.tolist() and got.parents.tolist() == expected.parents.tolist()
+    return forwards
+
+
+def test_rounds_that_cannot_survive_pruning_are_skipped_with_the_same_tree():
+    from transformers_specblock.generation.candidate_generators import get_candidate_generator
+
+    target = make_target("llama", vocab_size=40, seed=8)
+    torch.manual_seed(8)
+    features, tokens = torch.randn(6, 3 * target.config.hidden_size), torch.randint(0, 40, (6,))
+    specblock = make_drafter(target, block_size=3, max_blocks=4, tree_policy="fixed", fixed_width=3)
+    specblock.bind_target(target)
+    forwards = _grown_then_pruned_equals_grown_at_budget(
+        lambda budget: get_candidate_generator(specblock, tree_budget=budget), [1, 2, 4, 8, 30], features, tokens
+    )
+    assert forwards[1] < forwards[30] == 3  # a small budget needs fewer follow-up rounds; a large one needs all
+    eagle3 = Eagle3DraftModel.from_target(target, tree_top_k=3, tree_depth=5)
+    eagle3.bind_target(target)
+    forwards = _grown_then_pruned_equals_grown_at_budget(
+        lambda budget: get_candidate_generator(eagle3, tree_budget=budget), [2, 4, 8, 30], features, tokens
+    )
+    assert forwards[2] < forwards[30]

@@ -137,6 +137,12 @@ class DraftTree:
             capped = torch.minimum(capped, capped[parents])
         return capped
 
+    def cannot_reach(self, best_new_score: torch.Tensor, budget: int) -> bool:
+        """Whether nodes scoring at most `best_new_score`, added now, would all fall outside `prune(budget)`: at least
+        `budget` drafted nodes already rank at or above that score (a tie goes to the older node). A drafter skips a
+        forward whose nodes could not survive pruning, and the pruned tree stays the same."""
+        return int((self.path_scores()[1:] >= best_new_score).sum()) >= budget
+
     def pruning_order(self) -> torch.LongTensor:
         """[N+1] node ids best first (root first): descending `path_scores`, ties in node order. Every node comes
         after all its ancestors, so every prefix of this order is a tree (what `prune` keeps)."""

@@ -31,8 +31,9 @@ class Eagle3CandidateGenerator(TreeCandidateGenerator):
     3. prune to `tree_budget` drafted nodes by cumulative log-probability (`DraftTree.prune`, ancestors kept).
 
     The temporary entries are cropped from the drafter cache afterwards. Rounds that cannot survive pruning are
-    skipped: a node at level L needs L kept nodes, so at most `tree_budget - 1` rounds run. Forwards per iteration:
-    1 (`observe`) + min(depth, tree_budget - 1).
+    skipped: a node at level L needs L kept nodes, so at most `tree_budget - 1` rounds run, and expansion stops once
+    `tree_budget` nodes already score at least the best frontier node (children never score above their parent).
+    Forwards per iteration: 1 (`observe`) + at most min(depth, tree_budget - 1).
     """
 
     def __init__(
@@ -97,8 +98,11 @@ class Eagle3CandidateGenerator(TreeCandidateGenerator):
         frontier = tree.add_nodes(d2t[top_ids], ones - 1, ones, top_lp)  # children of the root, at depth 1
         frontier_hidden = hidden[None].expand(k, -1)  # every depth-1 node was produced by the root position
         frontier_visible = torch.zeros(k, 0, dtype=torch.bool, device=device)  # over this iteration's entries
-        rounds = min(self.depth, self.tree_budget - 1)
-        for _ in range(rounds):
+        rounds = 0
+        for _ in range(min(self.depth, self.tree_budget - 1)):
+            if tree.cannot_reach(tree.scores[frontier].max(), self.tree_budget):  # children score below parents
+                break
+            rounds += 1
             n = frontier.numel()
             # the frontier's ancestors' entries, then each node's own new entry
             visible = torch.cat([frontier_visible, torch.eye(n, dtype=torch.bool, device=device)], dim=1)

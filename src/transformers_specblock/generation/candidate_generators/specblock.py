@@ -33,7 +33,9 @@ class SpecBlockCandidateGenerator(TreeCandidateGenerator):
     The drafter's KV cache holds K slot entries per committed position and persists across iterations: only newly
     committed positions are fed (`observe`). A tree is drafted from the last committed token: block 1 from the
     root's slots, then up to `max_blocks - 1` rounds of follow-up blocks, each round in ONE batched forward whose
-    entries are cropped away afterwards. The tree is pruned to `tree_budget` nodes by cumulative draft log-prob.
+    entries are cropped away afterwards. A round whose nodes could not survive pruning (each scores at most its start
+    leaf's score, and `tree_budget` nodes already score higher) is skipped. `draft_tree` prunes the tree to
+    `tree_budget` nodes by cumulative draft log-prob.
     """
 
     def __init__(
@@ -120,6 +122,8 @@ class SpecBlockCandidateGenerator(TreeCandidateGenerator):
                 break
             top = tree.scores[candidates].topk(min(self.max_followups, candidates.numel())).indices
             chosen = candidates[top]
+            if tree.cannot_reach(tree.scores[chosen[0]], self.tree_budget):  # every new node would be pruned
+                break
             b, s = block_of[leaf][top], slot_of[leaf][top]
             inherited = torch.zeros(chosen.numel(), local_entries, dtype=torch.bool, device=device)
             inherited[:, : rnd.inherited.shape[1]] = rnd.inherited[b]
