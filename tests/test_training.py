@@ -199,7 +199,11 @@ def test_block_terms_alignment_masks_and_draft_vocab_skip():
                 logits[0, i, k, target_index[0, j]] = 5.0
     logits[0, 0, 0] = torch.tensor([0.0, -5.0, 5.0])  # wrong: target is 1
     logits[0, 2, 0] = torch.tensor([5.0, -5.0, -5.0])  # target outside the draft vocab: always wrong
-    terms = block_terms(logits, target_logits.softmax(-1), target_index, loss_tokens, real, 0, (1, 2))
+    def heads(hidden):  # the slot states are the logits here
+        return hidden, torch.zeros(*hidden.shape[:-1], 3)
+
+    probs = target_logits.softmax(-1)
+    terms = block_terms(heads, logits, probs, target_index, loss_tokens, real, 0, (1, 2), metrics=True)
     # slot k at position i predicts token i + 2 + k: exists for i + 2 + k <= 5
     exists = torch.tensor([[1, 1], [1, 1], [1, 1], [1, 0], [0, 0]], dtype=torch.bool)
     assert torch.equal(terms.exists[0], exists)
@@ -214,7 +218,7 @@ def test_block_terms_alignment_masks_and_draft_vocab_skip():
     # out-of-vocab target: rank class is the last one
     assert terms.labels[0, 2, 0].item() == 2 and terms.labels[0, 1, 1].item() == 2
     # follow-up block with offset 2: slot k at position i compares with target position i + 3 + k
-    follow = block_terms(logits, target_logits.softmax(-1), target_index, loss_tokens, real, 2, (1, 2))
+    follow = block_terms(heads, logits, probs, target_index, loss_tokens, real, 2, (1, 2))
     assert torch.equal(follow.exists[0, :, 0], torch.tensor([1, 1, 0, 0, 0], dtype=torch.bool))
     manual = soft_cross_entropy(logits[0, 1, 0], target_logits[0, 4].softmax(-1))
     assert follow.ce[0, 1, 0].item() == pytest.approx(manual.item(), rel=1e-6)

@@ -14,9 +14,10 @@ Pipeline (see `run_training`):
 4. `SpecBlockTrainer` (a `Trainer` subclass: the target runs inside `compute_loss`) optimises
    `SpecBlockDraftModelForTraining`, whose ``forward`` is the multi-block training pass and returns the loss.
 
-Modules (imports flow one way: ``arguments``, ``data``, ``features``, ``vocab``, ``losses`` <- ``modeling`` <-
-``trainer`` <- ``run``):
+Modules (imports flow one way: ``attention`` <- ``arguments``, ``data``, ``features``, ``vocab``, ``losses`` <-
+``modeling`` <- ``trainer`` <- ``run``):
 
+* `attention`: ``sparse_sdpa``, exact SDPA that skips the keys the block masks hide (the training pass' default).
 * `arguments`: the command-line dataclasses and `SpecBlockLossConfig`.
 * `data`: conversations, chat-template rendering with assistant masks, `SpecBlockDataCollator`.
 * `features`: the frozen target's features, online or precomputed (`precompute_features`, `PrecomputedFeatures`).
@@ -27,6 +28,7 @@ Modules (imports flow one way: ``arguments``, ``data``, ``features``, ``vocab``,
 * `run`: `run_training`, the drafter it builds, its record, learning curve and saved weights.
 """
 
+from .attention import SPARSE_SDPA, sparse_sdpa_attention_forward
 from .arguments import (
     DataArguments,
     ModelArguments,
@@ -57,6 +59,7 @@ from .losses import (
     ordinal_targets,
     rank_head_loss,
     rank_labels,
+    slot_windows,
     soft_cross_entropy,
     stats_to_metrics,
     target_ranks,
@@ -80,6 +83,7 @@ __all__ = [
     "DRAFTERS",
     "FEATURES_FORMAT",
     "FEATURES_INFO",
+    "SPARSE_SDPA",
     "BlockTerms",
     "DataArguments",
     "ModelArguments",
@@ -111,7 +115,9 @@ __all__ = [
     "run_training",
     "save_drafter",
     "set_draft_vocab",
+    "slot_windows",
     "soft_cross_entropy",
+    "sparse_sdpa_attention_forward",
     "stats_to_metrics",
     "target_argmax",
     "target_features",

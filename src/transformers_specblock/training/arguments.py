@@ -9,6 +9,7 @@ from transformers import TrainingArguments
 
 from ..hub.assets import PACKAGED_MODELS
 from ..hub.loading import DTYPE_CHOICES, DTYPES
+from .attention import SPARSE_SDPA
 
 _DTYPES = DTYPES  # float32, bfloat16, float16
 
@@ -57,6 +58,15 @@ class ModelArguments:
                   "vocabularies up to 65536, e.g. SmolLM2's 49152; 32000 above)."},
     )
     drafter: str = field(default="specblock", metadata={"help": "Drafter to train: 'specblock' or 'eagle3'."})
+    drafter_attn_implementation: str = field(
+        default=SPARSE_SDPA,
+        metadata={
+            "choices": [SPARSE_SDPA, "sdpa", "eager"],
+            "help": "Attention of the SpecBlock training pass. sparse_sdpa: SDPA per chunk of 256 slot queries over "
+            "only the keys that chunk sees (exact; the block masks hide half to three quarters of the keys, which "
+            "sdpa computes anyway). Not saved with the drafter; EAGLE-3's training-time test has its own attention.",
+        },
+    )
     ttt_steps: int | None = field(default=None, metadata={"help": "EAGLE-3 training-time-test unroll (default 7)."})
     drafter_num_layers: int | None = field(default=None, metadata={"help": "Drafter decoder layers (default 2)."})
     init_head_from_target: bool = field(

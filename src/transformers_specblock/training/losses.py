@@ -3,7 +3,7 @@ the follow-up block visibility mask, the cross-process sum of the normalisers an
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -13,9 +13,28 @@ import torch.nn.functional as F
 from ..models.tree_drafter.modeling_tree_drafter import training_stat_names
 
 
+class _SoftCrossEntropy(torch.autograd.Function):
+    """Soft CE whose backward writes ``(softmax * sum(p) - p) * grad`` in one buffer: autograd's composite version
+    allocates several full-size temporaries per call (the dominant memory traffic of a training step)."""
+
+    @staticmethod
+    def forward(ctx, draft_logits: torch.Tensor, target_probs: torch.Tensor) -> torch.Tensor:  # noqa: D102
+        log_q = draft_logits.float().log_softmax(-1)
+        ctx.save_for_backward(log_q, target_probs)
+        ctx.logits_dtype = draft_logits.dtype
+        return -torch.linalg.vecdot(target_probs.float(), log_q)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # noqa: D102
+        log_q, target_probs = ctx.saved_tensors
+        grad_logits = log_q.exp().mul_(target_probs.sum(-1, keepdim=True)).sub_(target_probs).mul_(grad[..., None])
+        return grad_logits.to(ctx.logits_dtype), None
+
+
 def soft_cross_entropy(draft_logits: torch.Tensor, target_probs: torch.Tensor) -> torch.Tensor:
-    """``-sum_v p(v) log softmax(draft_logits)(v)`` over the last dim (p: the target's draft-vocab distribution)."""
-    return -(target_probs * draft_logits.float().log_softmax(-1)).sum(-1)
+    """``-sum_v p(v) log softmax(draft_logits)(v)`` over the last dim (p: the target's draft-vocab distribution, no
+    gradient), computed in float32."""
+    return _SoftCrossEntropy.apply(draft_logits, target_probs.detach())
 
 
 def valid_prefix(correct: torch.BoolTensor) -> torch.BoolTensor:
@@ -112,10 +131,27 @@ class BlockTerms:
     exists: torch.BoolTensor  # predicted token exists (not padding, inside the sequence)
     labels: torch.LongTensor  # rank-head class
     prefix: torch.BoolTensor  # slots 0..k-1 all correct
+    rank_logits: torch.Tensor  # [..., num_rank_classes], with grad
+
+
+def slot_windows(values: torch.Tensor, start: int, num_pos: int, k_slots: int, fill: float | bool) -> torch.Tensor:
+    """[B, T, ...] -> [B, P, K, ...] with ``out[:, i, k] = values[:, start + i + k]`` (``fill`` past the end): a
+    strided view of ``values`` (padded once if the windows run past it), no copy per slot."""
+    need = start + num_pos + k_slots - 1
+    missing = need - values.shape[1]
+    if missing > 0:
+        values = torch.cat([values, values.new_full((values.shape[0], missing, *values.shape[2:]), fill)], dim=1)
+    return values[:, start:need].unfold(1, k_slots, 1).movedim(-1, 2)
+
+
+def _scatter_rows(rows: tuple[torch.Tensor, ...], values: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """Dense [*shape, ...] zeros holding ``values`` at the ``rows`` indices (differentiable in ``values``)."""
+    return values.new_zeros(*shape, *values.shape[1:]).index_put(rows, values)
 
 
 def block_terms(
-    logits: torch.Tensor,
+    heads: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+    hidden: torch.Tensor,
     target_probs: torch.Tensor,
     target_index: torch.LongTensor,
     loss_tokens: torch.BoolTensor,
@@ -123,42 +159,67 @@ def block_terms(
     offset: int,
     rank_bounds: Sequence[int],
     soft_labels: bool = True,
+    valid_prefix_mask: bool = True,
+    rank_chain_mask: bool = True,
+    metrics: bool = False,
 ) -> BlockTerms:
-    """Align one block's slots with the target and compute its per-slot terms.
+    """Align one block's slots with the target and compute its per-slot terms, running the heads only where read.
 
-    logits [B, P, K, Vd] drafter logits for positions i = 0..P-1 (P = T-1); target_probs [B, T, Vd] the target's
-    draft-vocab distribution per sequence position; target_index [B, T] its argmax as a draft index (-1: outside the
-    draft vocabulary); loss_tokens / real_tokens [B, T] assistant / non-padding tokens. With the block's cumulative
+    heads: slot states [N, H] -> (draft logits [N, Vd], rank logits [N, C]); hidden [B, P, K, H] the block's
+    pre-norm slot states for positions i = 0..P-1 (P = T-1); target_probs [B, T, Vd] the target's draft-vocab
+    distribution per sequence position; target_index [B, T] its argmax as a draft index (-1: outside the draft
+    vocabulary); loss_tokens / real_tokens [B, T] assistant / non-padding tokens. With the block's cumulative
     ``offset`` (0 for block 1), slot k of position i is compared with target position j = i + 1 + offset + k and
-    predicts token j + 1.
+    predicts token j + 1 (past the sequence: every flag False).
+
+    Slot by slot, the heads run with gradient on the slots a loss counts (assistant token; valid prefix when the
+    masks ask for it) and without gradient where only the slot's correctness is read (the prefix of a later counted
+    slot; with ``metrics``, as for block 1's logged accuracy and acceptance: every counted slot and the greedy chain
+    of rows whose slot 0 counts). Elsewhere ce, rank logits and label are 0 and correct is False: no term reads
+    them. The loss, its gradient and the metrics equal those of running the heads on every slot; with the valid-
+    prefix masks most later slots are skipped (one in five slot-0 guesses right -> slot 1 runs on a fifth of rows).
     """
-    batch, num_pos, k_slots, _ = logits.shape
-    length = target_probs.shape[1]
-    cols: dict[str, list[torch.Tensor]] = {k: [] for k in ("ce", "correct", "in_vocab", "counted", "exists", "labels")}
+    batch, num_pos, k_slots, _ = hidden.shape
+    length, start = target_probs.shape[1], 1 + offset
+    # target position T-1 predicts nothing: cutting it makes every slot past the end read the fill
+    probs = slot_windows(target_probs[:, : length - 1], start, num_pos, k_slots, 0.0)
+    tid = slot_windows(target_index[:, : length - 1], start, num_pos, k_slots, -1)
+    counted = slot_windows(loss_tokens & real_tokens, start + 1, num_pos, k_slots, False)
+    exists = slot_windows(real_tokens, start + 1, num_pos, k_slots, False)
+    in_vocab = tid >= 0
+    any_from = counted.flip(-1).cumsum(-1).flip(-1) > 0  # a slot >= k counts
+    counted_later = F.pad(any_from[..., 1:], (0, 1))
+    chain_rows = counted[..., 0] & exists[..., -1] if metrics else torch.zeros_like(counted[..., 0])
+    prefix = torch.ones_like(counted[..., 0])
+    cols: dict[str, list[torch.Tensor]] = {k: [] for k in ("ce", "correct", "labels", "prefix", "rank_logits")}
+    shape = (batch, num_pos)
     for k in range(k_slots):
-        s = 1 + offset + k
-        n = max(0, min(num_pos, length - 1 - s))
-        pad = num_pos - n
-        dl = logits[:, :n, k].float()
-        tid = target_index[:, s : s + n]
+        draft_rows = counted[..., k] & in_vocab[..., k] & (prefix if valid_prefix_mask else True)
+        grad_rows = draft_rows | (counted[..., k] & (prefix if rank_chain_mask else True))
+        read_rows = prefix & (counted_later[..., k] | chain_rows) | (counted[..., k] if metrics else False)
+        rows = grad_rows.nonzero(as_tuple=True)
+        logits, rank_logits = heads(hidden[:, :, k][rows])
+        slot_tid = tid[..., k][rows]
         if soft_labels:
-            ce = soft_cross_entropy(dl, target_probs[:, s : s + n])
+            ce = soft_cross_entropy(logits, probs[:, :, k][rows])
         else:
-            ce = -dl.log_softmax(-1).gather(-1, tid.clamp(min=0)[..., None])[..., 0]
-        ranks = target_ranks(dl, tid)
-        in_vocab = tid >= 0
-        values = {
-            "ce": ce,
-            "correct": (dl.detach().argmax(-1) == tid) & in_vocab,
-            "in_vocab": in_vocab,
-            "counted": loss_tokens[:, s + 1 : s + 1 + n] & real_tokens[:, s + 1 : s + 1 + n],
-            "exists": real_tokens[:, s + 1 : s + 1 + n].clone(),
-            "labels": rank_labels(ranks, rank_bounds, in_vocab),
-        }
-        for key, value in values.items():
-            cols[key].append(F.pad(value, (0, pad)) if pad else value)
+            ce = F.cross_entropy(logits.float(), slot_tid.clamp(min=0), reduction="none")
+        ranks = target_ranks(logits, slot_tid)
+        correct = torch.zeros(shape, dtype=torch.bool, device=hidden.device)
+        correct[rows] = (logits.detach().argmax(-1) == slot_tid) & (slot_tid >= 0)
+        other = (read_rows & ~grad_rows).nonzero(as_tuple=True)
+        if other[0].numel():
+            with torch.no_grad():
+                other_tid = tid[..., k][other]
+                correct[other] = (heads(hidden[:, :, k][other])[0].argmax(-1) == other_tid) & (other_tid >= 0)
+        cols["ce"].append(_scatter_rows(rows, ce, shape))
+        cols["labels"].append(_scatter_rows(rows, rank_labels(ranks, rank_bounds, slot_tid >= 0), shape))
+        cols["rank_logits"].append(_scatter_rows(rows, rank_logits, shape))
+        cols["correct"].append(correct)
+        cols["prefix"].append(prefix)
+        prefix = prefix & correct
     stacked = {key: torch.stack(v, dim=2) for key, v in cols.items()}
-    return BlockTerms(**stacked, prefix=valid_prefix(stacked["correct"]))
+    return BlockTerms(**stacked, in_vocab=in_vocab, counted=counted, exists=exists)
 
 
 def followup_training_mask(

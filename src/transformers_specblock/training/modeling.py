@@ -23,8 +23,12 @@ it only as the slots before them become right. The logged ``ce_slot{k}`` (block 
 ``acc_slot{k}`` (block-1 top-1 accuracy against the target's argmax), ``accept_length`` (expected accepted length of
 block 1's greedy chain, ``1 + sum_k P(slots 0..k all right)``) and ``rank_acc`` are the progress measures.
 
-Memory: a step holds ``num_blocks`` x [B, T, K, draft_vocab] drafter logits and attention masks of
-[P*K, num_blocks*P*K] for the last block, so ``max_length`` and the batch size bound it.
+Cost: the draft ``lm_head``, the rank head and the loss run only on the slots a term reads (`block_terms`: every
+counted slot 0, later slots where the valid prefix survives, block 1's counted slots without gradient for the logged
+accuracy), so with slot-0 accuracy a the heads cost about (1 + a + a^2 + ...) / K of running them on every slot; the
+loss, its gradient and the metrics are those of the dense computation. Attention masks are [P*K, num_blocks*P*K] for
+the last block; ``--drafter_attn_implementation sparse_sdpa`` (`training.attention`) skips the keys they hide.
+``max_length`` and the batch size bound the memory.
 """
 
 from __future__ import annotations
@@ -39,7 +43,7 @@ from transformers.utils import ModelOutput
 from ..models.specblock.configuration_specblock import SpecBlockConfig
 from ..models.specblock.modeling_specblock import SpecBlockDraftModel, block_causal_mask
 from .arguments import SpecBlockLossConfig
-from .losses import _all_reduce, block_terms, followup_training_mask, rank_head_loss
+from .losses import BlockTerms, _all_reduce, block_terms, followup_training_mask, rank_head_loss
 
 
 @dataclass
@@ -98,16 +102,22 @@ class SpecBlockDraftModelForTraining(SpecBlockDraftModel):
         positions = torch.arange(1, num_pos + 1, device=device).expand(batch, -1)
         bounds = self.config.rank_bucket_upper_bounds
 
+        def terms_of(hidden: torch.Tensor, offset: int, metrics: bool = False) -> BlockTerms:
+            return block_terms(
+                self.heads, hidden, target_probs, target_index, counted_tokens, real, offset, bounds,
+                cfg.soft_labels, cfg.valid_prefix_mask, cfg.rank_chain_mask, metrics,
+            )  # fmt: skip
+
         cache = DynamicCache()
-        out = self.draft_blocks(
+        hidden = self.draft_blocks(
             self.project_condition(features[:, :num_pos]),
             input_ids[:, 1:],
             positions,
             block_causal_mask(num_pos, k_slots, 0, device)[None],
             cache,
-        )
-        outputs = [out]
-        terms = [block_terms(out.logits, target_probs, target_index, counted_tokens, real, 0, bounds, cfg.soft_labels)]
+            compute_heads=False,
+        ).hidden_states
+        terms = [terms_of(hidden, 0, metrics=True)]  # block 1's accuracy and acceptance are logged
         offset = 0
         for b, m in enumerate(followup_offsets, start=1):
             if not 1 <= m <= k_slots:
@@ -115,19 +125,15 @@ class SpecBlockDraftModelForTraining(SpecBlockDraftModel):
             offset += m
             # (a block past the end of short sequences still runs: every process must run the same blocks)
             token_idx = (torch.arange(num_pos, device=device) + 1 + offset).clamp(max=length - 1)
-            out = self.draft_blocks(
-                out.hidden_states[:, :, m - 1],
+            hidden = self.draft_blocks(
+                hidden[:, :, m - 1],
                 input_ids[:, token_idx],
                 positions + offset,
                 followup_training_mask(num_pos, k_slots, list(followup_offsets[:b]), device)[None],
                 cache,
-            )
-            outputs.append(out)
-            terms.append(
-                block_terms(
-                    out.logits, target_probs, target_index, counted_tokens, real, offset, bounds, cfg.soft_labels
-                )
-            )
+                compute_heads=False,
+            ).hidden_states
+            terms.append(terms_of(hidden, offset))
 
         # ---- normalisers, summed over processes
         draft_masks = [
@@ -155,7 +161,7 @@ class SpecBlockDraftModelForTraining(SpecBlockDraftModel):
         loss_draft = loss_draft * world / num_blocks_run
 
         # ---- rank loss (its input is detached inside the model: it trains the rank head only)
-        rank_logits = torch.cat([o.rank_logits for o in outputs], dim=1)
+        rank_logits = torch.cat([t.rank_logits for t in terms], dim=1)
         labels = torch.cat([t.labels for t in terms], dim=1)
         rank_mask = torch.cat(rank_masks, dim=1)
         rank_sum, rank_weight = rank_head_loss(

@@ -148,6 +148,7 @@ def _build_drafter(
             f"{100 * coverage:.2f}% of the training assistant tokens."
         )
     drafter.bind_target(target, place=False)  # the Trainer places the drafter; its weights stay float32
+    drafter.set_attn_implementation(model_args.drafter_attn_implementation)
     return drafter.float()
 
 

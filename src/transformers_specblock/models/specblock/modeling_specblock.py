@@ -146,6 +146,7 @@ class SpecBlockDraftModel(SpecBlockPreTrainedModel):
         attention_mask: torch.BoolTensor,
         past_key_values: Cache | None = None,
         logits_to_keep: int = 0,
+        compute_heads: bool = True,
     ) -> SpecBlockOutput:
         """Draft one block of K slots for each of P positions.
 
@@ -155,6 +156,7 @@ class SpecBlockDraftModel(SpecBlockPreTrainedModel):
         attention_mask: [B, P*K, S] bool visibility over (cached + new) entries, S = cached + P*K
         logits_to_keep: compute `logits` / `rank_logits` for the last this many positions only (0 = all): reading a
                         prompt needs the last position's block alone, and the draft `lm_head` dominates its cost
+        compute_heads:  False = return the slot states only (training runs `heads` on the slots its loss reads)
         """
         batch, num_pos = input_ids.shape
         k_slots, hidden = self.config.block_size, self.config.hidden_size
@@ -189,13 +191,19 @@ class SpecBlockDraftModel(SpecBlockPreTrainedModel):
             )
 
         hidden_states = h.view(batch, num_pos, k_slots, hidden)
-        normed = self.norm(hidden_states[:, -logits_to_keep:])  # [B, kept, K, H]
-        logits = self.lm_head(normed)
-        features = rank_features(logits.detach()).to(normed.dtype)
-        rank_logits = self.rank_head(torch.cat([normed.detach(), features], dim=-1))
+        if not compute_heads:
+            return SpecBlockOutput(hidden_states=hidden_states, past_key_values=past_key_values)
+        logits, rank_logits = self.heads(hidden_states[:, -logits_to_keep:])
         return SpecBlockOutput(
             logits=logits, hidden_states=hidden_states, rank_logits=rank_logits, past_key_values=past_key_values
         )
+
+    def heads(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Pre-norm slot states [..., H] -> (draft logits [..., Vd], rank logits [..., num_rank_classes])."""
+        normed = self.norm(hidden_states)
+        logits = self.lm_head(normed)
+        features = rank_features(logits.detach()).to(normed.dtype)
+        return logits, self.rank_head(torch.cat([normed.detach(), features], dim=-1))
 
     def forward(
         self,
