@@ -129,20 +129,28 @@ def test_hardware_is_detected_at_training_time(ws, monkeypatch):
     expected = describe_hardware("cpu", torch.float32, torch.float32)
     assert config["training_info"]["hardware"] == expected
     cpu = describe_device("cpu")
-    assert cpu.startswith(provenance._cpu_name()) and f", {provenance._usable_cores()} cores" in cpu
+    info = provenance._cpu_info()
+    assert cpu.startswith(provenance._cpu_name(info)) and f", {provenance._usable_cores()} cores" in cpu
+    assert cpu.endswith(provenance.cpu_capability(info)) and torch.backends.cpu.get_cpu_capability() in cpu
     assert expected == f"{cpu}; target float32, drafter float32"
-    # the CPU's own name, not a typed-in one
-    monkeypatch.setattr(provenance, "_cpu_name", lambda: "Test CPU 9000")
+    # the CPU's own name and flags, not typed-in ones
+    fake = {"model name": "Test CPU 9000", "flags": "fpu avx2 avx512f avx512_bf16"}
+    monkeypatch.setattr(provenance, "_cpu_info", lambda: fake)
     monkeypatch.setattr(provenance, "_usable_cores", lambda: 7)
+    capability = torch.backends.cpu.get_cpu_capability()
     assert describe_hardware("cpu", torch.bfloat16, torch.float32, mixed_precision="bf16") == (
-        "Test CPU 9000, 7 cores; target bfloat16, drafter float32 (bf16 mixed precision)"
+        f"Test CPU 9000, 7 cores, torch {capability}, native bfloat16 (avx512_bf16); target bfloat16, drafter "
+        "float32 (bf16 mixed precision)"
     )
+    fake["flags"] = "fpu avx2"
+    assert "no native bfloat16 matmul" in describe_device("cpu")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA Test GPU")
     assert describe_device("cuda:0") == "NVIDIA Test GPU"
     assert describe_device(torch.device("cuda", 0), num_processes=4) == "4 x NVIDIA Test GPU"
     assert describe_hardware("cuda", torch.bfloat16, torch.float32, target_device="cpu") == (
-        "drafter on NVIDIA Test GPU, target on Test CPU 9000, 7 cores; target bfloat16, drafter float32"
+        f"drafter on NVIDIA Test GPU, target on Test CPU 9000, 7 cores, torch {capability}, no native bfloat16 "
+        "matmul; target bfloat16, drafter float32"
     )
 
 

@@ -104,6 +104,12 @@ class BenchArguments:
     do_sample: bool = field(default=False)
     temperature: float = field(default=1.0)
     seed: int = field(default=0)
+    near_ties: bool = field(
+        default=True,
+        metadata={"help": "Greedy: where a method's output leaves plain greedy, record the float32 logit gap of the "
+                  "two tokens there (columns left_greedy, max_fp32_gap; a 16-bit target gets one float32 copy for "
+                  "it). --no_near_ties skips it (and the copy's memory)."},
+    )
 
 
 def default_drafter_name(kind: str, target_model: str) -> str:
@@ -208,7 +214,8 @@ def bench_main(argv: Sequence[str] | None = None) -> None:
     sampling = {"temperature": args.temperature, "top_k": None, "top_p": None} if args.do_sample else {}
     results = run_benchmark(
         target, tokenizer, prompts, methods, max_new_tokens=args.max_new_tokens, do_sample=args.do_sample,
-        seed=args.seed, output_dir=args.output_dir, warmup_tokens=args.warmup_tokens, **sampling,
+        seed=args.seed, output_dir=args.output_dir, warmup_tokens=args.warmup_tokens,
+        measure_near_ties=args.near_ties, **sampling,
     )  # fmt: skip
     results.settings |= {"target_model": args.target_model, "dataset": args.dataset}
     results.settings |= {"device": str(target.device), "dtype": str(target.dtype).removeprefix("torch.")}

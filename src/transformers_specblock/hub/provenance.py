@@ -79,7 +79,8 @@ def resolve_base_model_id(name_or_path: str | os.PathLike | None, explicit: str 
     return name if is_hub_id(name) else None
 
 
-def _cpu_name() -> str:
+def _cpu_info() -> dict[str, str]:
+    """The first processor's block of /proc/cpuinfo (empty where there is none)."""
     info: dict[str, str] = {}
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:
@@ -90,10 +91,24 @@ def _cpu_name() -> str:
                 info.setdefault(key.strip(), value.strip())
     except OSError:
         pass
+    return info
+
+
+def _cpu_name(info: dict[str, str]) -> str:
     name = info.get("model name") or platform.processor() or platform.machine() or "unknown CPU"
     if not re.search(r"\d", name) and "cpu family" in info and "model" in info:  # e.g. a bare "AMD EPYC"
         name += f" (family {info['cpu family']} model {info['model']})"
     return name
+
+
+def cpu_capability(info: dict[str, str] | None = None) -> str:
+    """The vector ISA torch's CPU kernels use here, and whether the CPU multiplies bfloat16 natively: without
+    AVX512-BF16 or AMX, a bfloat16 matmul of several rows (a tree verification, training) is far slower than float32."""
+    flags = set((info if info is not None else _cpu_info()).get("flags", "").split())
+    native = sorted(flags & {"avx512_bf16", "amx_bf16"})
+    return f"torch {torch.backends.cpu.get_cpu_capability()}, " + (
+        f"native bfloat16 ({', '.join(native)})" if native else "no native bfloat16 matmul"
+    )
 
 
 def _usable_cores() -> int:
@@ -111,7 +126,8 @@ def describe_device(device: torch.device | str | None = None, num_processes: int
         return f"{num_processes} x {name}" if num_processes > 1 else name
     if device.type != "cpu":
         return f"{device.type} device" + (f" x {num_processes}" if num_processes > 1 else "")
-    text = f"{_cpu_name()}, {_usable_cores()} cores"
+    info = _cpu_info()
+    text = f"{_cpu_name(info)}, {_usable_cores()} cores, {cpu_capability(info)}"
     return text + (f" ({num_processes} processes)" if num_processes > 1 else "")
 
 
