@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import copy
 import json
+import logging
 import sys
 
 import datasets
@@ -13,6 +15,7 @@ from conftest import make_drafter, make_target
 from test_greedy_exactness import letter_tokenizer
 from transformers_specblock import Eagle3DraftModel
 from transformers_specblock.commands.benchmark import Method, markdown_tables, run_benchmark, write_report
+from transformers_specblock.commands.exactness import NEAR_TIE_GAP
 
 VOCAB = 24
 
@@ -51,6 +54,7 @@ def test_every_method_runs_and_metrics_are_consistent(tmp_path):
     assert set(summary) == {"plain", *(m.name for m in methods)}
     for name, row in summary.items():
         assert row["identical_to_reference"], name  # greedy: every method reproduces plain generate
+        assert row["left_greedy"] == 0 and row["max_fp32_gap"] is None, name
         assert row["tokens_per_s"] > 0 and row["num_prompts"] == len(prompts)
     assert summary["plain"]["speedup"] == pytest.approx(1.0)
     for row in results.prompts:
@@ -70,7 +74,7 @@ def test_every_method_runs_and_metrics_are_consistent(tmp_path):
     payload = json.loads((tmp_path / "results.json").read_text())
     assert set(payload["per_category"]) == {"writing", "coding"}
     for key in ("speedup", "tau", "tokens_per_s", "drafting_share", "drafter_forwards_per_iter", "nodes_per_iter",
-                "identical_to_reference"):  # fmt: skip
+                "identical_to_reference", "left_greedy", "max_fp32_gap"):  # fmt: skip
         assert key in payload["methods"]["specblock"]
     assert (tmp_path / "speedup_tau.png").stat().st_size > 0
     assert (tmp_path / "time_per_iteration.png").stat().st_size > 0
@@ -141,3 +145,66 @@ def test_sampling_speedup_is_a_rate_ratio_and_exactness_is_not_claimed():
     )
     assert summary["specblock"]["identical_to_reference"] is None and summary["plain"]["identical_to_reference"] is None
     assert "| specblock |" in markdown_tables(results.payload())
+
+
+def _first_difference(a: list[int], b: list[int]) -> int:
+    return next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
+
+
+def test_a_16bit_run_records_where_outputs_leave_greedy_and_the_float32_gap_there(tmp_path, caplog):
+    """A method that is not greedy-exact on purpose (a repetition penalty) diverges; each such row gets the first
+    differing position and the float32 logit gap there, measured on a float32 copy of the bfloat16 target."""
+    target, tokenizer, prompts, _, _ = tiny_setup()
+    target = target.to(torch.bfloat16)
+    float32_target = copy.deepcopy(target).float()  # the bfloat16 weights, computing in float32
+    penalised = Method("penalised", {"repetition_penalty": 8.0})
+    with caplog.at_level(logging.WARNING):
+        results = run_benchmark(target, tokenizer, prompts, [penalised], max_new_tokens=12, output_dir=tmp_path,
+                                warmup_tokens=0)  # fmt: skip
+    assert target.dtype == torch.bfloat16 and results.settings["near_tie_gap"] == NEAR_TIE_GAP
+    left = [r for r in results.prompts if r.method == "penalised" and not r.identical_to_reference]
+    assert left, "the penalty changed no output: the test proves nothing"
+    for row in left:
+        inputs = tokenizer(prompts[int(row.prompt_id[1:])]["text"], return_tensors="pt", add_special_tokens=False)
+        start = inputs["input_ids"].shape[1]
+        reference = target.generate(**inputs, do_sample=False, max_new_tokens=12)[0, start:].tolist()
+        tokens = target.generate(**inputs, do_sample=False, max_new_tokens=12, repetition_penalty=8.0)[0, start:]
+        position = _first_difference(reference, tokens.tolist())
+        with torch.no_grad():  # the float32 target's logits after the common prefix
+            logits = float32_target(torch.tensor([inputs["input_ids"][0].tolist() + reference[:position]])).logits
+        gap = abs(float(logits[0, -1, reference[position]] - logits[0, -1, tokens[position]]))
+        assert row.divergence_position == position and row.fp32_gap == pytest.approx(gap, rel=1e-4)
+    assert all(r.fp32_gap is None for r in results.prompts if r.identical_to_reference)
+    summary = results.summary()
+    assert summary["penalised"]["left_greedy"] == len(left) and not summary["penalised"]["identical_to_reference"]
+    assert summary["penalised"]["max_fp32_gap"] == max(r.fp32_gap for r in left)
+    assert summary["plain"]["left_greedy"] == 0 and summary["plain"]["max_fp32_gap"] is None
+    not_ties = [r for r in left if r.fp32_gap > NEAR_TIE_GAP]
+    assert len([m for m in caplog.messages if "not a near-tie" in m]) == len(not_ties) > 0
+    table = markdown_tables(results.payload())
+    assert "left_greedy | max_fp32_gap |" in table
+    assert f"| {len(left)} | {summary['penalised']['max_fp32_gap']:.3g} |" in table
+
+    # rows written before these fields existed still load and resume; their gaps are unknown, not zero
+    log = tmp_path / "per_prompt.jsonl"
+    old_rows = [json.loads(line) for line in log.read_text().splitlines()]
+    log.write_text("".join(json.dumps({k: v for k, v in r.items() if k not in ("divergence_position", "fp32_gap")})
+                           + "\n" for r in old_rows))  # fmt: skip
+    resumed = run_benchmark(target, tokenizer, prompts, [penalised], max_new_tokens=12, output_dir=tmp_path)
+    assert len(resumed.prompts) == len(old_rows) and resumed.summary()["penalised"]["left_greedy"] == len(left)
+    assert resumed.summary()["penalised"]["max_fp32_gap"] is None
+
+
+def test_sampling_and_opt_out_measure_no_gaps(monkeypatch):
+    from transformers_specblock.commands import benchmark
+
+    monkeypatch.setattr(benchmark, "float32_copy", lambda model: pytest.fail("no float32 copy is needed"))
+    target, tokenizer, prompts, _, _ = tiny_setup()
+    target = target.to(torch.bfloat16)
+    penalised = Method("penalised", {"repetition_penalty": 8.0})
+    greedy = run_benchmark(target, tokenizer, prompts.select(range(2)), [penalised], max_new_tokens=8,
+                           warmup_tokens=0, measure_near_ties=False)  # fmt: skip
+    assert all(r.fp32_gap is None for r in greedy.prompts) and greedy.settings["near_tie_gap"] is None
+    sampled = run_benchmark(target, tokenizer, prompts.select(range(2)), [penalised], max_new_tokens=8,
+                            warmup_tokens=0, do_sample=True, top_k=None, top_p=None)  # fmt: skip
+    assert sampled.summary()["penalised"]["left_greedy"] is None

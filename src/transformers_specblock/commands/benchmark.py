@@ -3,7 +3,9 @@
 `run_benchmark` times plain `target.generate` (the reference) against other decoding methods (prompt lookup,
 assisted generation, tree drafters and their ablations) on a prompt set and records, per prompt and method: new
 tokens, seconds, tau, drafting / verification time, drafter forwards and nodes per iteration, and whether the greedy
-output equals the reference. Per-prompt rows are appended to `per_prompt.jsonl`, so an interrupted run resumes.
+output equals the reference; where it does not, the first differing position and the float32 logit gap between the
+two tokens there (`exactness.first_divergence`: in 16-bit a flip at a near-tie is round-off, elsewhere a bug).
+Per-prompt rows are appended to `per_prompt.jsonl`, so an interrupted run resumes.
 """
 
 from __future__ import annotations
@@ -23,10 +25,12 @@ from transformers.utils import logging
 
 from ..models.tree_drafter.modeling_tree_drafter import TreeDraftModel
 from ..utils import import_pyplot
+from .exactness import NEAR_TIE_GAP, first_divergence, float32_copy
 
 logger = logging.get_logger(__name__)
 
 REFERENCE = "plain"
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # targets whose divergences get a float32 gap
 
 
 @dataclass
@@ -59,6 +63,9 @@ class PromptResult:
     drafter_forwards: int | None = None
     nodes_verified: int | None = None
     peak_memory_mb: float | None = None
+    # greedy outputs that left the reference: first differing new token, float32 |logit gap| of the two tokens there
+    divergence_position: int | None = None
+    fp32_gap: float | None = None
 
 
 @dataclass
@@ -68,7 +75,8 @@ class BenchmarkResults:
 
     def summary(self, category: str | None = None) -> dict[str, dict[str, Any]]:
         """Per method: tokens/s, speed-up (tokens/s over the reference's on the same prompts: sampled outputs differ
-        in length), tau, shares, exactness (greedy only; None when sampling)."""
+        in length), tau, shares, exactness (greedy only; None when sampling): whether every output equals the
+        reference's, how many left it, and the largest float32 logit gap where they did (a near-tie if small)."""
         rows = [r for r in self.prompts if category is None or r.category == category]
         reference = [r for r in rows if r.method == REFERENCE]
         reference_rate = sum(r.new_tokens for r in reference) / sum(r.seconds for r in reference) if reference else None
@@ -79,6 +87,8 @@ class BenchmarkResults:
             trees = [r for r in mine if r.iterations]
             iters = sum(r.iterations for r in trees)
             draft_s, verify_s = sum(r.drafter_time_s for r in trees), sum(r.target_time_s for r in trees)
+            left = [r for r in mine if r.identical_to_reference is False]
+            gaps = [r.fp32_gap for r in left if r.fp32_gap is not None]  # rows of older runs have none
             out[method] = {
                 "tokens_per_s": tokens / seconds,
                 "speedup": tokens / seconds / reference_rate if reference_rate else None,
@@ -88,9 +98,9 @@ class BenchmarkResults:
                 "nodes_per_iter": sum(r.nodes_verified for r in trees) / iters if iters else None,
                 "time_per_iter_ms": _time_split(trees, iters),
                 "peak_memory_mb": max((r.peak_memory_mb or 0.0) for r in mine) or None,
-                "identical_to_reference": None if self.settings.get("do_sample") else all(
-                    r.identical_to_reference is not False for r in mine
-                ),
+                "identical_to_reference": None if self.settings.get("do_sample") else not left,
+                "left_greedy": None if self.settings.get("do_sample") else len(left),
+                "max_fp32_gap": max(gaps) if gaps else None,
                 "num_prompts": len(mine),
             }
         return out
@@ -165,22 +175,32 @@ def run_benchmark(
     seed: int = 0,
     output_dir: str | Path | None = None,
     warmup_tokens: int = 32,
+    measure_near_ties: bool = True,
     **generate_kwargs: Any,
 ) -> BenchmarkResults:
     """Run the reference and every method on each prompt (interleaved); resumable through `output_dir`.
 
     Before timing, every method generates `warmup_tokens` untimed tokens from the first prompt: kernels, allocator
     and one-off measurements (`tree_budget="auto"` times the target once per model and device) are paid there.
+
+    Greedy with `measure_near_ties`: where an output leaves the reference's, its row records the first differing
+    position and the float32 logit gap of the two tokens there, measured untimed with the target itself (float32) or,
+    for a 16-bit target, with one float32 copy made before the first prompt (so every method's peak memory includes
+    that copy alike). A gap above `exactness.NEAR_TIE_GAP` is logged as a warning: not explained by round-off.
     """
     settings = {"max_new_tokens": max_new_tokens, "do_sample": do_sample, "seed": seed, **generate_kwargs}
     settings |= {"methods": [REFERENCE] + [m.name for m in methods], "num_prompts": len(prompts)}
+    measured = measure_near_ties and not do_sample and target.dtype in FLOAT_DTYPES
+    settings["near_tie_gap"] = NEAR_TIE_GAP if measured else None  # the largest float32 gap counted as a near-tie
     results = BenchmarkResults(settings=settings)
     log = Path(output_dir, "per_prompt.jsonl") if output_dir is not None else None
     if log is not None and log.exists():
         results.prompts = [PromptResult(**json.loads(line)) for line in log.read_text().splitlines() if line]
     done = {(r.prompt_id, r.method) for r in results.prompts}
     all_methods = [Method(REFERENCE), *methods]
-    if warmup_tokens and len(done) < len(prompts) * len(all_methods):
+    remaining = len(done) < len(prompts) * len(all_methods)
+    float32_target = float32_copy(target) if measured and remaining else None  # the target itself if float32
+    if warmup_tokens and remaining:
         inputs = _encode(tokenizer, prompts[0], target.device)
         for method in tqdm(all_methods, desc="warm-up"):
             torch.manual_seed(seed)
@@ -204,23 +224,30 @@ def run_benchmark(
             tokens = out[0, prompt_len:].tolist()
             reference = tokens if method.name == REFERENCE else reference
             stats = drafter.last_stats if isinstance(drafter, TreeDraftModel) else None
-            new_rows.append(
-                PromptResult(
-                    method=method.name,
-                    prompt_id=prompt_id,
-                    category=row["category"],
-                    new_tokens=len(tokens),
-                    seconds=seconds,
-                    identical_to_reference=None if do_sample else tokens == reference,
-                    tau=stats.tau if stats else None,
-                    iterations=stats.iterations if stats else None,
-                    drafter_time_s=stats.drafter_time_s if stats else None,
-                    target_time_s=stats.target_time_s if stats else None,
-                    drafter_forwards=stats.drafter_forwards if stats else None,
-                    nodes_verified=sum(stats.nodes_per_iteration) if stats else None,
-                    peak_memory_mb=_peak_memory_mb(target.device),
-                )
+            result = PromptResult(
+                method=method.name,
+                prompt_id=prompt_id,
+                category=row["category"],
+                new_tokens=len(tokens),
+                seconds=seconds,
+                identical_to_reference=None if do_sample else tokens == reference,
+                tau=stats.tau if stats else None,
+                iterations=stats.iterations if stats else None,
+                drafter_time_s=stats.drafter_time_s if stats else None,
+                target_time_s=stats.target_time_s if stats else None,
+                drafter_forwards=stats.drafter_forwards if stats else None,
+                nodes_verified=sum(stats.nodes_per_iteration) if stats else None,
+                peak_memory_mb=_peak_memory_mb(target.device),
             )
+            if float32_target is not None and tokens != reference:  # untimed: after the peak memory is read
+                divergence = first_divergence(float32_target, inputs["input_ids"], reference, tokens)
+                result.divergence_position, result.fp32_gap = divergence.position, divergence.fp32_gap
+                if not divergence.is_near_tie():
+                    logger.warning(
+                        f"{method.name} left plain greedy on prompt {prompt_id} at new token {divergence.position} "
+                        f"with a float32 logit gap of {divergence.fp32_gap:.3g} (> {NEAR_TIE_GAP}): not a near-tie."
+                    )
+            new_rows.append(result)
         results.prompts += new_rows
         if log is not None:
             with log.open("a") as sink:
@@ -244,8 +271,12 @@ def write_report(results: BenchmarkResults, output_dir: str | Path) -> None:
 
 def markdown_tables(payload: dict[str, Any]) -> str:
     columns = ["tokens_per_s", "speedup", "tau", "drafting_share", "drafter_forwards_per_iter", "nodes_per_iter",
-               "peak_memory_mb", "identical_to_reference"]  # fmt: skip
+               "peak_memory_mb", "identical_to_reference", "left_greedy", "max_fp32_gap"]  # fmt: skip
     lines = []
+    if payload["settings"].get("near_tie_gap") is not None:
+        lines += [f"left_greedy: greedy outputs that differ from plain `generate`; max_fp32_gap: the largest float32 "
+                  "logit gap between the two tokens where they first differ (a near-tie, round-off in 16-bit, up to "
+                  f"{payload['settings']['near_tie_gap']}).", ""]  # fmt: skip
     for title, block in [("all prompts", payload["methods"])] + list(payload["per_category"].items()):
         lines += [f"### {title}", "", "| method | " + " | ".join(columns) + " |", "|---" * (len(columns) + 1) + "|"]
         for method, row in block.items():
