@@ -20,6 +20,16 @@ specblock-bench $SMOL --dataset mt_bench \
     --methods plain,specblock@2,specblock@4,specblock@8,specblock@16,specblock@32,specblock@auto,eagle3@auto \
     --output_dir "$OUT/smollm2-mt_bench-budgets"
 
+# Free candidates (prompt lookup / n-gram cache in the tree), both dtypes: float32 is the exactness reference, and
+# bfloat16 pays only on a CPU that multiplies it natively (AVX512-BF16 / AMX; the results record the CPU's flags).
+FREE=plain,prompt_lookup,lookup_tree,eagle3,eagle3+lookup,specblock,specblock+lookup
+for dtype in float32 bfloat16; do
+    for dataset in mt_bench humaneval sharegpt; do
+        specblock-bench --target_model smollm2-135m-instruct --dtype "$dtype" --dataset "$dataset" --num_prompts 4 \
+            --max_new_tokens 128 --methods "$FREE" --tree_budget auto --output_dir "$OUT/free-$dtype-$dataset"
+    done
+done
+
 if [[ "${1:-}" == "qwen" ]]; then
     specblock-bench --target_model qwen2.5-coder-1.5b-instruct --assistant_model qwen2.5-coder-0.5b-instruct \
         --dataset humaneval --num_prompts 3 --max_new_tokens 64 --warmup_tokens 8 \

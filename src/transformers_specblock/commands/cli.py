@@ -20,8 +20,10 @@ from transformers import AutoModel, HfArgumentParser
 from ..hub.assets import explain_hub_errors
 from ..hub.prompts import load_prompts
 from ..hub.loading import DEVICE_HELP, DTYPE_CHOICES, DTYPE_HELP, load_model
+from ..hub.provenance import describe_device
 from ..hub.shipped import SHIPPED_DRAFTERS, resolve_drafter_path
 from .benchmark import REFERENCE, Method, run_benchmark, write_report
+from ..models.lookup_tree.modeling_lookup_tree import LookupTreeModel
 from ..models.tree_drafter.modeling_tree_drafter import TreeDraftModel
 from ..training import DataArguments, ModelArguments, SpecBlockTrainingArguments, run_training
 
@@ -72,9 +74,10 @@ class BenchArguments:
     methods: str = field(
         default="plain,prompt_lookup,specblock",
         metadata={
-            "help": "Comma list of: plain (always run, the reference), prompt_lookup, assisted, specblock, "
-            "specblock_fixed_tree, specblock_one_block, eagle3; a tree method may name its budget, e.g. "
-            "specblock@4,specblock@auto."
+            "help": "Comma list of: plain (always run, the reference), prompt_lookup (transformers'), assisted, "
+            "specblock, specblock_fixed_tree, specblock_one_block, eagle3, lookup_tree (prompt lookup and an n-gram "
+            "cache as a tree, no drafter), specblock+lookup, eagle3+lookup (the drafter's tree with those free "
+            "candidates); a tree method may name its budget, e.g. specblock@4,specblock+lookup@auto."
         },
     )
     dataset: str = field(default="mt_bench", metadata={"help": "mt_bench, humaneval, sharegpt or a JSONL file."})
@@ -96,7 +99,12 @@ class BenchArguments:
         metadata={"help": "Small LM for transformers' assisted generation: a packaged name, a local folder or a Hub "
                   "id (loaded on the target's device, in its dtype)."},
     )
-    prompt_lookup_num_tokens: int = field(default=10)
+    prompt_lookup_num_tokens: int = field(
+        default=10, metadata={"help": "Tokens per prompt-lookup chain (transformers' prompt_lookup and the tree's)."}
+    )
+    ngram_cache_num_tokens: int = field(
+        default=8, metadata={"help": "Tokens per n-gram-cache chain of lookup_tree and the +lookup methods (0 = off)."}
+    )
     tree_budget: str | None = field(
         default=None, metadata={"help": 'Override the drafters\' tree budget (an int or "auto").'}
     )
@@ -140,6 +148,9 @@ TREE_METHODS = {
     "specblock_fixed_tree": ("specblock", {"tree_policy": "fixed"}),
     "specblock_one_block": ("specblock", {"max_blocks": 1}),
     "eagle3": ("eagle3", {}),
+    "lookup_tree": ("lookup_tree", {}),
+    "specblock+lookup": ("specblock", {"lookup": True}),
+    "eagle3+lookup": ("eagle3", {"lookup": True}),
 }
 
 
@@ -173,9 +184,18 @@ def build_methods(args: BenchArguments, target) -> list[Method]:
             methods.append(Method(spec, {"assistant_model": assistant}))
         elif name in TREE_METHODS:
             kind, settings = TREE_METHODS[name]
-            if kind not in drafters:
+            with_lookup = kind == "lookup_tree" or settings.get("lookup", False)
+            settings = {key: value for key, value in settings.items() if key != "lookup"}
+            if kind not in drafters and kind == "lookup_tree":
+                drafters[kind] = LookupTreeModel.from_target(target)
+            elif kind not in drafters:
                 path = args.eagle3_model if kind == "eagle3" else args.specblock_model
                 drafters[kind] = _load_drafter(path, kind, args.target_model, target)
+            if with_lookup:
+                settings = settings | {
+                    "prompt_lookup_num_tokens": args.prompt_lookup_num_tokens,
+                    "ngram_cache_num_tokens": args.ngram_cache_num_tokens,
+                }
             budget = budget or args.tree_budget
             settings = settings | ({"tree_budget": parse_tree_budget(budget)} if budget else {})
             methods.append(Method(spec, {"assistant_model": drafters[kind]}, settings))
@@ -219,5 +239,6 @@ def bench_main(argv: Sequence[str] | None = None) -> None:
     )  # fmt: skip
     results.settings |= {"target_model": args.target_model, "dataset": args.dataset}
     results.settings |= {"device": str(target.device), "dtype": str(target.dtype).removeprefix("torch.")}
+    results.settings |= {"hardware": describe_device(target.device)}  # a CPU's flags decide whether bf16 pays
     write_report(results, args.output_dir)
     print((Path(args.output_dir) / "results.md").read_text())
