@@ -4,8 +4,9 @@
         --num_conversations 4096 --max_new_tokens 256 --sampled_fraction 0.5 --output data/smollm2-regen.jsonl
 
 Any target works (a Hub id such as ``meta-llama/Llama-3.1-8B-Instruct``, or a local folder) with ``--device``
-(default: cuda if visible, else cpu; ``auto`` spreads it over all GPUs) and ``--dtype`` (default ``auto``: the
-checkpoint's own dtype, bfloat16 for the packaged SmolLM2 - 1.67x faster than float32 on a CPU with AVX512-BF16).
+(default: cuda if visible, else cpu; ``auto`` spreads it over all GPUs) and ``--dtype`` (default ``auto``: float32
+on a CPU; bfloat16 is faster there only on a CPU that multiplies it natively, AVX512-BF16 or AMX - see
+`hub.provenance.cpu_capability`). The dtype is recorded with every answer.
 
 Prompts are first human turns of the ShareGPT TRAIN split (the held-out split stays unseen). A stable
 ``--sampled_fraction`` of them (by a hash of the conversation id) is answered by sampling at ``--temperature``, the
@@ -139,6 +140,7 @@ def regenerate(args: RegenerateArguments) -> Path:
         args.target_model, resolve_base_model_id(args.target_model), "sharegpt-train (first human turns)",
         max_new_tokens=args.max_new_tokens, sampled_fraction=args.sampled_fraction,
         temperature=args.temperature if args.sampled_fraction > 0 else None, seed=args.seed,
+        dtype=str(target.dtype).removeprefix("torch."),
     )  # fmt: skip
     stop_ids = target.generation_config.eos_token_id
     stop_ids = set(stop_ids if isinstance(stop_ids, list) else [stop_ids if stop_ids is not None else tokenizer.eos_token_id])
