@@ -13,7 +13,7 @@ from test_eagle3 import make_eagle3
 from test_sampling_lossless import ALPHA, exact_marginals, fit_pvalues, sample_counts
 from transformers_specblock import LookupTreeConfig, LookupTreeModel
 from transformers_specblock.generation.lookup import NgramCache, SourceScores, prompt_lookup_chains
-from transformers_specblock.generation.tree import SOURCE_BITS, DraftTree
+from transformers_specblock.generation.tree import DraftTree
 
 LOOKUP = dict(prompt_lookup_num_tokens=6, prompt_lookup_branches=3, ngram_cache_num_tokens=5)
 

@@ -16,14 +16,20 @@ from transformers_specblock.commands.regenerate import (
 from transformers_specblock.training.data import describe_training_data
 
 
-def test_regenerate_writes_answers_and_resumes(tmp_path):
-    model_dir = tmp_path / "tiny"
+@pytest.fixture
+def model_dir(tmp_path):
+    """A tiny random chat model saved as a local folder (letters as tokens, "b" ends a turn)."""
+    folder = tmp_path / "tiny"
     target = make_target("llama", vocab_size=24, seed=0, eos_token_id=1)
     tokenizer = letter_tokenizer(24)
     tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}b{% endfor %}{% if add_generation_prompt %}c{% endif %}"
     tokenizer.eos_token = "b"
-    target.save_pretrained(model_dir)
-    tokenizer.save_pretrained(model_dir)
+    target.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def test_regenerate_writes_answers_and_resumes(tmp_path, model_dir):
     output = tmp_path / "regen.jsonl"
     args = RegenerateArguments(
         target_model=str(model_dir), output=str(output), num_conversations=2, max_new_tokens=4, batch_size=2,
@@ -47,16 +53,9 @@ def test_regenerate_writes_answers_and_resumes(tmp_path):
     assert again[:2] == lines and len(again) == 3  # the two finished answers were kept, one more was added
 
 
-def test_regenerate_mixes_modes_and_survives_a_torn_write(tmp_path):
+def test_regenerate_mixes_modes_and_survives_a_torn_write(tmp_path, model_dir):
     """A share of the prompts is sampled (stable per id), batches hold one mode, and a last line an interrupted
     write left incomplete is dropped on resume instead of corrupting the file."""
-    model_dir = tmp_path / "tiny"
-    target = make_target("llama", vocab_size=24, seed=0, eos_token_id=1)
-    tokenizer = letter_tokenizer(24)
-    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}b{% endfor %}{% if add_generation_prompt %}c{% endif %}"
-    tokenizer.eos_token = "b"
-    target.save_pretrained(model_dir)
-    tokenizer.save_pretrained(model_dir)
     output = tmp_path / "regen.jsonl"
     args = RegenerateArguments(
         target_model=str(model_dir), output=str(output), num_conversations=6, max_new_tokens=3, batch_size=4,
