@@ -87,7 +87,7 @@ def _repetitive_prompt(vocab: int, seed: int) -> torch.LongTensor:
 @pytest.mark.parametrize("kind", ["specblock", "eagle3", "lookup_tree"])
 @pytest.mark.parametrize("budget", [4, 24])
 def test_greedy_equals_target_with_every_source(kind, budget, one_thread):
-    vocab, proposed = 24, {"prompt_lookup": 0, "ngram_cache": 0, "drafter": 0}
+    vocab, proposed, overlaps = 24, {"prompt_lookup": 0, "ngram_cache": 0, "drafter": 0}, 0
     for seed in range(3):
         target = make_target("llama", vocab_size=vocab, seed=seed)
         if kind == "specblock":
@@ -102,11 +102,14 @@ def test_greedy_equals_target_with_every_source(kind, budget, one_thread):
         assert out.tolist() == reference.tolist(), f"seed {seed}"
         stats = drafter.last_stats
         assert max(stats.nodes_per_iteration) <= budget
-        assert sum(stats.accepted_by_source.values()) >= sum(stats.accepted_per_iteration) - stats.iterations
+        drafted = sum(stats.accepted_per_iteration) - stats.iterations  # accepted tokens that were tree nodes
+        assert sum(stats.accepted_by_source.values()) >= drafted  # every accepted node came from some source
+        overlaps += sum(stats.accepted_by_source.values()) - drafted  # nodes several sources proposed
         for source, count in stats.accepted_by_source.items():
             proposed[source] += count
     assert proposed["prompt_lookup"] > 0 and proposed["ngram_cache"] > 0  # the sources really took part
     assert (proposed["drafter"] > 0) == (kind != "lookup_tree")
+    assert overlaps > 0  # and proposed duplicates of each other's nodes, merged into one
 
 
 @pytest.mark.parametrize("kind", ["specblock", "lookup_tree"])
