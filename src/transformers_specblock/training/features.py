@@ -121,6 +121,7 @@ def precompute_features(
         "target_num_hidden_layers": text_config.num_hidden_layers,
         "target_model_type": text_config.model_type,
         "target_layer_ids": list(layer_ids),
+        "target_dtype": str(target.dtype).removeprefix("torch."),  # a bfloat16 target's features are others
         "dtype": str(dtype).removeprefix("torch."),
         **(description or {}),
     }
