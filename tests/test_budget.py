@@ -225,4 +225,20 @@ def test_auto_budget_zero_comes_back_when_acceptance_improves(monkeypatch):
             assert first == position and tokens == out[0, first : first + len(tokens)].tolist()
             position += len(tokens)
         assert nodes[0] == 0 and drafter._auto_budget.choose() == vocab  # it came back to speculating
-        assert nodes[-10:] == [vocab] * 10 and set(drafter.last_stats.accepted_per_iteration[-10:]) == {2}
+        # it speculates every step again; the least likely of the 24 guesses may be left out (worth_verifying)
+        assert min(nodes[-10:]) >= vocab - 4 and sum(drafter.last_stats.accepted_per_iteration[-10:]) >= 17
+
+
+def test_worth_verifying_keeps_the_prefix_with_the_most_expected_tokens_per_second():
+    """Node scores are log acceptance chances; a node is kept only while it pays for what it adds to T_M."""
+    chooser = AutoBudget([0, 8], TargetCost([0, 8], [1.0, 1.8]), warmup=0)  # each node costs 0.1 step
+    tree = DraftTree.root_only(0)
+    chain = torch.tensor([0.9, 0.8, 0.5, 0.05, 0.01]).log().cumsum(0)  # path probabilities .9 .72 .36 .018 .00018
+    tree.add_nodes(torch.arange(1, 6), torch.arange(0, 5), torch.arange(1, 6), chain)
+    kept = chooser.worth_verifying(tree)
+    # expected tokens / cost: n=0 1/1, n=1 1.9/1.1, n=2 2.62/1.2, n=3 2.98/1.3 (best), n=4 2.998/1.4
+    assert kept.tokens.tolist() == [0, 1, 2, 3]
+    hopeless = DraftTree.root_only(0)
+    hopeless.add_nodes(torch.tensor([4]), torch.tensor([0]), torch.tensor([1]), torch.tensor([0.05]).log())
+    assert chooser.worth_verifying(hopeless).num_drafted == 0  # 1.05 / 1.1 < 1 / 1: plain step
+    assert AutoBudget([0, 8], chooser.cost, warmup=3).worth_verifying(hopeless).num_drafted == 1  # warming up: whole

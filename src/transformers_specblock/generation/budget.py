@@ -9,6 +9,9 @@ the nodes they add), counting a tree only for the candidates it can tell about, 
 `window` verified steps, and explores budgets above its choice every `explore_interval` steps, so its choice
 follows a drafter or a device that changes.
 
+The budget caps the tree; `AutoBudget.worth_verifying` then sizes each drafted tree, keeping the prefix of its
+pruning order with the most expected tokens per second (a node's exp(path score) read as its chance of acceptance).
+
 Budget 0 means "do not speculate": the target decodes one token per forward and the drafter is not run (tau = 1, no
 drafting time). It wins where no tree pays for its drafting and verification, e.g. a weak drafter on a CPU; the
 exploring steps keep measuring larger budgets, so the drafter comes back when its trees start to pay.
@@ -212,6 +215,21 @@ class AutoBudget:
         tau = self.estimates()
         sizes = {b: self.size[b].mean(self.clock) for b in tau if b}
         return best_budget(tau, self.cost, self.drafting.mean(self.clock), sizes)
+
+    def worth_verifying(self, tree: DraftTree) -> DraftTree:
+        """The prefix of `tree`'s pruning order with the most expected tokens per second: n maximising
+        (1 + sum of the first n nodes' path probabilities) / (T_M(n) + T_D), reading a node's exp(path score) as the
+        chance it is accepted (calibrated for free candidates, whose scores are learnt acceptance rates; the
+        drafter's own probability for its nodes). A strong lookup match is verified whole, weak guesses are left
+        out: the budget caps the tree, this sizes it per step."""
+        if tree.num_drafted == 0 or self.trees < self.warmup:
+            return tree
+        order = tree.pruning_order()[1:]
+        accepted = (1.0 + torch.cumsum(tree.path_scores()[order].exp(), 0)).tolist()  # E[tokens] keeping n nodes
+        drafting = self.drafting.mean(self.clock)
+        rates = [1.0 / (self.cost(0) + drafting)] + [a / (self.cost(n) + drafting) for n, a in enumerate(accepted, 1)]
+        best = max(range(len(rates)), key=rates.__getitem__)
+        return tree.prune(best)
 
     def next_budget(self, explore_interval: int = DEFAULT_EXPLORE_INTERVAL) -> int:
         """The budget to draft with at this verified step (call once per step, budget-0 steps included): `choose()`,

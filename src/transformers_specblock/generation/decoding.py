@@ -155,6 +155,8 @@ def tree_speculative_decoding(
         else:
             budget = generator.tree_budget
         tree, drafting_seconds = _draft(generator, input_ids[0, left_padding:], budget, model.device)
+        if auto_budget is not None:  # verify only the part of this tree that pays for its nodes
+            tree = auto_budget.worth_verifying(tree)
         # verify
         sync(model.device)
         target_start = time.perf_counter()
@@ -199,8 +201,9 @@ def _draft(
     generator: TreeCandidateGenerator, sequence: torch.LongTensor, budget: int, device: torch.device
 ) -> tuple[DraftTree, float | None]:
     """Read the queued context and draft a tree of at most `budget` nodes after the committed tokens `sequence` [T]
-    (budget 0: the root alone, no drafter call). Also returns the step's drafting seconds where they are representative of a steady step (the drafter
-    read just the previous step, not a prompt or several skipped steps), else None."""
+    (budget 0: the root alone, no drafter call). Also returns the step's drafting seconds where they are
+    representative of a steady step (the drafter read just the previous step, not a prompt or several skipped
+    steps), else None."""
     if budget == 0:
         return DraftTree.root_only(int(sequence[-1]), device), None
     generator.tree_budget = budget
