@@ -39,7 +39,6 @@ from transformers_specblock.training import (
     render_conversation,
     soft_cross_entropy,
     target_ranks,
-    valid_prefix,
 )
 
 SPECIALS = ["<pad>", "<unk>", "<s>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
@@ -124,8 +123,18 @@ def logged_losses(out) -> list[float]:
 # ------------------------------------------------------------------------------------------------ loss parts
 def test_valid_prefix_drops_everything_after_first_miss():
     correct = torch.tensor([[True, True, False, True], [False, True, True, True], [True, True, True, True]])
+    logits = torch.full((3, 5, 4, 3), -5.0)  # 3 rows, 5 positions, 4 slots, draft vocab 3; the target says 0
+    logits[..., 1] = 5.0
+    logits[:, 0, :, 0] = torch.where(correct, 10.0, -5.0)  # position 0: right exactly where `correct` says
+    ones = torch.ones(3, 6, dtype=torch.bool)
+
+    def heads(hidden):
+        return hidden, torch.zeros(*hidden.shape[:-1], 2)
+
+    target_index = torch.zeros(3, 6, dtype=torch.long)
+    terms = block_terms(heads, logits, torch.ones(3, 6, 3) / 3, target_index, ones, ones, 0, (1,))
     expected = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0], [1, 1, 1, 1]], dtype=torch.bool)
-    assert torch.equal(valid_prefix(correct), expected)
+    assert torch.equal(terms.prefix[:, 0], expected)
 
 
 def test_soft_cross_entropy_matches_manual():

@@ -63,7 +63,6 @@ from .losses import (
     soft_cross_entropy,
     stats_to_metrics,
     target_ranks,
-    valid_prefix,
 )
 from .modeling import SpecBlockDraftModelForTraining, SpecBlockTrainingOutput
 from .run import (
@@ -124,5 +123,4 @@ __all__ = [
     "target_ranks",
     "tokenize_conversations",
     "training_info",
-    "valid_prefix",
 ]

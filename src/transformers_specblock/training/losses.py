@@ -14,8 +14,8 @@ from ..models.tree_drafter.modeling_tree_drafter import training_stat_names
 
 
 class _SoftCrossEntropy(torch.autograd.Function):
-    """Soft CE whose backward writes ``(softmax * sum(p) - p) * grad`` in one buffer: autograd's composite version
-    allocates several full-size temporaries per call (the dominant memory traffic of a training step)."""
+    """Soft CE whose backward writes ``(softmax * sum(p) - p) * grad`` into one buffer (autograd's composite version
+    allocates several temporaries of the logits' size)."""
 
     @staticmethod
     def forward(ctx, draft_logits: torch.Tensor, target_probs: torch.Tensor) -> torch.Tensor:  # noqa: D102
@@ -35,12 +35,6 @@ def soft_cross_entropy(draft_logits: torch.Tensor, target_probs: torch.Tensor) -
     """``-sum_v p(v) log softmax(draft_logits)(v)`` over the last dim (p: the target's draft-vocab distribution, no
     gradient), computed in float32."""
     return _SoftCrossEntropy.apply(draft_logits, target_probs.detach())
-
-
-def valid_prefix(correct: torch.BoolTensor) -> torch.BoolTensor:
-    """[..., K] -> [..., K]: slot k is True iff slots 0..k-1 were all correct (slot 0 always True)."""
-    ones = torch.ones_like(correct[..., :1])
-    return torch.cat([ones, correct[..., :-1]], dim=-1).long().cumprod(-1).bool()
 
 
 def target_ranks(draft_logits: torch.Tensor, target_index: torch.LongTensor) -> torch.LongTensor:
