@@ -23,10 +23,10 @@ it only as the slots before them become right. The logged ``ce_slot{k}`` (block 
 ``acc_slot{k}`` (block-1 top-1 accuracy against the target's argmax), ``accept_length`` (expected accepted length of
 block 1's greedy chain, ``1 + sum_k P(slots 0..k all right)``) and ``rank_acc`` are the progress measures.
 
-Cost: the draft ``lm_head``, the rank head and the loss run only on the slots a term reads (`block_terms`: every
-counted slot 0, later slots where the valid prefix survives, block 1's counted slots without gradient for the logged
-accuracy), so with slot-0 accuracy a the heads cost about (1 + a + a^2 + ...) / K of running them on every slot; the
-loss, its gradient and the metrics are those of the dense computation. Attention masks are [P*K, num_blocks*P*K] for
+Cost: the draft ``lm_head``, the rank head and the loss run only on the slots a term reads (`block_terms`): with
+gradient on the slots a loss counts (assistant tokens; later slots only where the valid prefix survives), forward
+only on block 1's other counted slots (the logged accuracy); the loss, its gradient and the metrics are those of the
+dense computation. Attention masks are [P*K, num_blocks*P*K] for
 the last block; ``--drafter_attn_implementation sparse_sdpa`` (`training.attention`) skips the keys they hide.
 ``max_length`` and the batch size bound the memory.
 """
