@@ -1,9 +1,10 @@
 """The tree speculative decoding loop: draft -> verify -> accept -> compact -> observe.
 
-draft (`candidate_generators`: the drafter reads the queued context and grows a tree) -> verify (`verification`: one
-target forward over the tree) -> accept (`acceptance`: greedy or lossless sampling, after `logits_process`) ->
-compact (`cache_utils`: the target KV cache keeps the accepted path) -> observe (the accepted positions' target
-features are queued for the drafter). `budget` picks the tree size per step when `tree_budget="auto"`.
+draft (`candidate_generators`: the drafter reads the queued context and grows a tree; `lookup`'s free candidates
+join it) -> verify (`verification`: one target forward over the tree) -> accept (`acceptance`: greedy or lossless
+sampling, after `logits_process`) -> compact (`cache_utils`: the target KV cache keeps the accepted path) -> observe
+(the accepted positions' target features are queued for the drafter; the free candidates learn what was accepted).
+`budget` picks the tree size per step when `tree_budget="auto"`, and sizes each drafted tree.
 """
 
 from __future__ import annotations
