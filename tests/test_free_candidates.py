@@ -13,7 +13,7 @@ from test_eagle3 import make_eagle3
 from test_sampling_lossless import ALPHA, exact_marginals, fit_pvalues, sample_counts
 from transformers_specblock import LookupTreeConfig, LookupTreeModel
 from transformers_specblock.generation.lookup import NgramCache, SourceScores, prompt_lookup_chains
-from transformers_specblock.generation.tree import DraftTree
+from transformers_specblock.generation.tree import SOURCE_BITS, DraftTree
 
 LOOKUP = dict(prompt_lookup_num_tokens=6, prompt_lookup_branches=3, ngram_cache_num_tokens=5)
 
@@ -152,3 +152,25 @@ def test_lookup_tree_saves_and_loads(tmp_path):
     assert target.generate(prompt, assistant_model=loaded, max_new_tokens=12).tolist() == target.generate(
         prompt, max_new_tokens=12
     ).tolist()
+
+
+def test_budget_zero_still_verifies_free_candidates_without_a_drafter_call(one_thread):
+    """Where "auto" chooses 0 (the drafter does not pay), a drafter with free candidates verifies their tree alone:
+    no drafter forward, the drafter's unread context stays queued, and the output is still the target's."""
+    from transformers_specblock.generation.candidate_generators import get_candidate_generator
+    from transformers_specblock.generation.decoding import _draft
+
+    target = make_target("llama", vocab_size=24, seed=1)
+    drafter = make_drafter(target, seed=1, tree_budget="auto", **LOOKUP)
+    drafter.bind_target(target)
+    generator = get_candidate_generator(drafter)
+    prompt = _repetitive_prompt(24, 1)[0]
+    generator.queue(torch.zeros(prompt.numel(), 3 * target.config.hidden_size), prompt, first_position=1)
+    tree, seconds = _draft(generator, prompt, 0, 16, torch.device("cpu"))
+    assert tree.num_drafted > 0 and seconds is None
+    assert bool((tree.sources[1:] & SOURCE_BITS["drafter"] == 0).all())  # lookup nodes only
+    assert generator.stats.drafter_forwards == 0 and len(generator.queued) == 1  # the drafter did not read
+    with drafter.tree_settings(auto_budget_candidates=[0, 4], auto_budget_warmup=1):
+        reference = target.generate(prompt[None], do_sample=False, max_new_tokens=40)
+        out = target.generate(prompt[None], assistant_model=drafter, do_sample=False, max_new_tokens=40)
+    assert out.tolist() == reference.tolist()

@@ -141,7 +141,9 @@ class AutoBudget:
     cannot tell about, so budgets above the current choice are not credited with a smaller tree's accepted path.
 
     Following change: a candidate's tau (and the drafting time T_D) is the mean of its samples of the last `window`
-    verified steps, and at least of its last `keep` samples. Candidate 0 needs none: tau = 1, no drafting.
+    verified steps, and at least of its last `keep` samples. Candidate 0 needs none: tau = 1, no drafting - unless
+    the drafter has free candidates (`free_at_zero`): then budget 0 still verifies their tree, with no drafter call,
+    and its tau and size are measured like any candidate's (`observe_free`).
 
     Exploring: after `warmup` trees at the largest candidate, `next_budget` returns the best budget (`choose`),
     except on every `explore_interval`-th step, which drafts above it: the k-th exploration goes 1 + (trailing zeros
@@ -159,6 +161,7 @@ class AutoBudget:
     clock: int = 0  # verified steps (calls of next_budget)
     steps: int = 0  # verified steps after the warm-up: the exploration clock
     explorations: int = 0
+    free_at_zero: bool = False  # budget 0 verifies the free candidates' tree (no drafter call) instead of nothing
     tau: dict[int, RecentMean] = field(init=False)  # committed tokens per tree, per candidate > 0
     size: dict[int, RecentMean] = field(init=False)  # nodes a tree of each candidate budget verifies
     drafting: RecentMean = field(init=False)  # drafter seconds per representative speculative step
@@ -168,14 +171,23 @@ class AutoBudget:
         self.tau = {b: RecentMean(self.window, self.keep) for b in self.ladder if b > 0}
         self.size = {b: RecentMean(self.window, self.keep) for b in self.ladder if b > 0}
         self.drafting = RecentMean(self.window, self.keep)
+        self.free_tau = RecentMean(self.window, self.keep)  # budget 0 with free candidates: tau and size
+        self.free_size = RecentMean(self.window, self.keep)
 
     @property
     def largest(self) -> int:
         return self.ladder[-1]
 
     def estimates(self) -> dict[int, float]:
-        """The current tau estimate of every measured candidate (candidate 0 is exactly 1)."""
-        return {b: self.tau[b].mean(self.clock) if b else 1.0 for b in self.ladder if b == 0 or self.tau[b].count}
+        """The current tau estimate of every measured candidate (candidate 0: exactly 1, or the measured tau of the
+        free candidates' trees)."""
+        zero = self.free_tau.mean(self.clock) if self.free_tau.count else 1.0
+        return {b: self.tau[b].mean(self.clock) if b else zero for b in self.ladder if b == 0 or self.tau[b].count}
+
+    def observe_free(self, tree: DraftTree, path: torch.LongTensor) -> None:
+        """Record a budget-0 step that verified only free candidates (`free_at_zero`)."""
+        self.free_tau.add(self.clock, path.numel() + 1.0)
+        self.free_size.add(self.clock, float(tree.num_drafted))
 
     def observe(
         self, tree: DraftTree, path: torch.LongTensor, drafting_seconds: float | None, budget: int | None = None
@@ -214,19 +226,20 @@ class AutoBudget:
             return max(unmeasured)
         tau = self.estimates()
         sizes = {b: self.size[b].mean(self.clock) for b in tau if b}
+        sizes[0] = self.free_size.mean(self.clock) if self.free_size.count else 0.0
         return best_budget(tau, self.cost, self.drafting.mean(self.clock), sizes)
 
-    def worth_verifying(self, tree: DraftTree) -> DraftTree:
+    def worth_verifying(self, tree: DraftTree, drafted: bool = True) -> DraftTree:
         """The prefix of `tree`'s pruning order with the most expected tokens per second: n maximising
         (1 + sum of the first n nodes' path probabilities) / (T_M(n) + T_D), reading a node's exp(path score) as the
         chance it is accepted (calibrated for free candidates, whose scores are learnt acceptance rates; the
         drafter's own probability for its nodes). A strong lookup match is verified whole, weak guesses are left
-        out: the budget caps the tree, this sizes it per step."""
+        out: the budget caps the tree, this sizes it per step. `drafted`: whether the drafter ran (T_D is counted)."""
         if tree.num_drafted == 0 or self.trees < self.warmup:
             return tree
         order = tree.pruning_order()[1:]
         accepted = (1.0 + torch.cumsum(tree.path_scores()[order].exp(), 0)).tolist()  # E[tokens] keeping n nodes
-        drafting = self.drafting.mean(self.clock)
+        drafting = self.drafting.mean(self.clock) if drafted else 0.0
         rates = [1.0 / (self.cost(0) + drafting)] + [a / (self.cost(n) + drafting) for n, a in enumerate(accepted, 1)]
         best = max(range(len(rates)), key=rates.__getitem__)
         return tree.prune(best)
@@ -257,6 +270,9 @@ def auto_budget_for(drafter: TreeDraftModel, target: PreTrainedModel) -> AutoBud
     key = (id(target), str(target.device), tuple(candidates), LookupSettings.from_config(config))
     choosers = drafter.__dict__.setdefault("_auto_budgets", {})
     if key not in choosers:
-        choosers[key] = AutoBudget(candidates, measure_target_cost(target, candidates), warmup=config.auto_budget_warmup)
+        choosers[key] = AutoBudget(
+            candidates, measure_target_cost(target, candidates), warmup=config.auto_budget_warmup,
+            free_at_zero=key[-1].enabled,
+        )  # fmt: skip
     drafter.__dict__["_auto_budget"] = choosers[key]  # the chooser of the latest call, for inspection
     return choosers[key]

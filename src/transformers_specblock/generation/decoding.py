@@ -155,9 +155,10 @@ def tree_speculative_decoding(
             budget = auto_budget.next_budget(drafter.config.auto_budget_explore_interval)
         else:
             budget = generator.tree_budget
-        tree, drafting_seconds = _draft(generator, input_ids[0, left_padding:], budget, model.device)
+        largest = auto_budget.largest if auto_budget is not None else budget
+        tree, drafting_seconds = _draft(generator, input_ids[0, left_padding:], budget, largest, model.device)
         if auto_budget is not None:  # verify only the part of this tree that pays for its nodes
-            tree = auto_budget.worth_verifying(tree)
+            tree = auto_budget.worth_verifying(tree, drafted=budget > 0)
         # verify
         sync(model.device)
         target_start = time.perf_counter()
@@ -171,10 +172,12 @@ def tree_speculative_decoding(
         compact_cache(cache, past_length, keep)
         sync(model.device)
         stats.target_time_s += time.perf_counter() - target_start
-        if budget > 0:
+        if budget > 0 or generator.free_candidates is not None:
             generator.record_verified(tree, path)
-            if auto_budget is not None:
-                auto_budget.observe(tree, path, drafting_seconds, budget=budget)
+        if auto_budget is not None and budget > 0:
+            auto_budget.observe(tree, path, drafting_seconds, budget=budget)
+        elif auto_budget is not None and auto_budget.free_at_zero:
+            auto_budget.observe_free(tree, path)
         new_tokens = torch.cat([tree.tokens[path], bonus.to(tree.tokens.device)]).to(input_ids.device)
         prefix_visible = torch.cat([prefix_visible, prefix_visible.new_ones(keep.numel())])
         next_position += keep.numel()
@@ -199,14 +202,17 @@ def tree_speculative_decoding(
 
 
 def _draft(
-    generator: TreeCandidateGenerator, sequence: torch.LongTensor, budget: int, device: torch.device
+    generator: TreeCandidateGenerator, sequence: torch.LongTensor, budget: int, largest: int, device: torch.device
 ) -> tuple[DraftTree, float | None]:
     """Read the queued context and draft a tree of at most `budget` nodes after the committed tokens `sequence` [T]
-    (budget 0: the root alone, no drafter call). Also returns the step's drafting seconds where they are
-    representative of a steady step (the drafter read just the previous step, not a prompt or several skipped
-    steps), else None."""
-    if budget == 0:
+    (budget 0: no drafter call, the root alone or, where the drafter has them, the free candidates' tree up to the
+    largest budget). Also returns the step's drafting seconds where they are representative of a steady step (the
+    drafter read just the previous step, not a prompt or several skipped steps), else None."""
+    if budget == 0 and generator.free_candidates is None:
         return DraftTree.root_only(int(sequence[-1]), device), None
+    if budget == 0:
+        generator.tree_budget = largest
+        return generator.draft_tree(sequence, with_drafter=False), None
     generator.tree_budget = budget
     steady = generator.has_read and len(generator.queued) == 1
     before = generator.stats.drafter_time_s

@@ -80,10 +80,12 @@ class TreeCandidateGenerator(CandidateGenerator):
         """The drafter's tree rooted at the last committed token (not yet pruned)."""
         raise NotImplementedError
 
-    def draft_tree(self, sequence: torch.LongTensor) -> DraftTree:
+    def draft_tree(self, sequence: torch.LongTensor, with_drafter: bool = True) -> DraftTree:
         """The drafter's tree for the committed tokens `sequence` [T] (the last one is the root), with the free
-        candidates merged in, pruned to `tree_budget` drafted nodes."""
-        tree = self.grow_tree(int(sequence[-1]))
+        candidates merged in, pruned to `tree_budget` drafted nodes; without the drafter, the free candidates alone
+        (no drafter call)."""
+        root = int(sequence[-1])
+        tree = self.grow_tree(root) if with_drafter else DraftTree.root_only(root, self.drafter.device)
         if self.free_candidates is not None:
             start = time.perf_counter()
             self.free_candidates.add_to(tree, sequence)
