@@ -70,9 +70,13 @@ def test_bf16_features_cache_round_trip(workspace, tmp_path):
     assert shard.stat().st_mtime_ns == written
 
 
-def _dense_draft_loss(drafter, ids, mask, loss_mask, features, target_logits, target_argmax, offsets):
-    """The module docstring's L_draft, with the heads run on every slot of every block (valid-prefix mask on)."""
+def _dense_draft_loss(
+    drafter, ids, mask, loss_mask, features, target_logits, target_argmax, offsets, weights=None, slot0=False
+):
+    """The module docstring's L_draft, with the heads run on every slot of every block (valid-prefix mask on);
+    ``weights``: the slot weights (default slot_decay**k); ``slot0``: every slot divided by its block's slot-0 count."""
     k_slots, decay = drafter.config.block_size, drafter.loss_config.slot_decay
+    weights = weights or [decay**k for k in range(k_slots)]
     batch, length = ids.shape
     num_pos = length - 1
     probs, index = target_logits.float().softmax(-1), drafter._target_draft_index(target_argmax)
@@ -101,7 +105,8 @@ def _dense_draft_loss(drafter, ids, mask, loss_mask, features, target_logits, ta
             tid = index[:, jc]
             counted = (loss_mask & mask)[:, (j + 1).clamp(max=length - 1)] & inside
             draft = counted & (tid >= 0) & prefix
-            total = total + decay**k * (ce * draft).sum() / draft.sum().clamp(min=1)
+            den = draft.sum() if k == 0 or not slot0 else den
+            total = total + weights[k] * (ce * draft).sum() / den.clamp(min=1)
             prefix = prefix & (logits[:, :, k].argmax(-1) == tid) & (tid >= 0) & inside
     return total / len(blocks)
 

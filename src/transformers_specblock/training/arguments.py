@@ -12,6 +12,7 @@ from ..hub.loading import DTYPE_CHOICES, DTYPES
 from .attention import SPARSE_SDPA
 
 _DTYPES = DTYPES  # float32, bfloat16, float16
+SLOT_NORMALIZATIONS = ("valid_prefix", "slot0")
 
 
 @dataclass
@@ -74,6 +75,14 @@ class ModelArguments:
         metadata={
             "help": "Start a new drafter's final norm and lm_head from the target's (rows d2t of its output "
             "embedding), so the drafter only has to learn the target's hidden-state space. Needs equal hidden sizes."
+        },
+    )
+    fusion_identity_init: bool = field(
+        default=False,
+        metadata={
+            "help": "SpecBlock: start a new drafter's fusion layer with identity on its condition part (the token "
+            "and slot-query parts stay random), as the layer shifts already start, so the target features reach the "
+            "decoder directly as in EAGLE-3. Off by default (the reference initialises the whole fusion at random)."
         },
     )
     save_dtype: str = field(
@@ -163,6 +172,31 @@ class SpecBlockTrainingArguments(TrainingArguments):
         default=2.0,
         metadata={"help": "How much harder under-estimating a rank class is punished than over-estimating."},
     )
+    slot_normalization: str = field(
+        default="valid_prefix",
+        metadata={
+            "choices": list(SLOT_NORMALIZATIONS),
+            "help": "Denominator of each slot's masked draft-loss sum. valid_prefix (the reference formula): that "
+            "slot's own count of valid-prefix tokens. slot0: the block's slot-0 count for every slot, so a later "
+            "slot gains weight only as the slots before it become right (a departure from the reference formula).",
+        },
+    )
+    unlock_warmup_steps: int = field(
+        default=0,
+        metadata={"help": "Progressive slot unlocking: slot k >= 1's draft-loss weight ramps linearly from 0 to "
+                  "slot_decay**k over the first unlock_warmup_steps * (k+1) steps; slot 0 always has full weight. "
+                  "0 = off."},
+    )
+    rank_start_step: int = field(
+        default=0,
+        metadata={"help": "The rank loss weighs 0 during the first rank_start_step steps, rank_loss_weight after "
+                  "(the reference's first phase; 0 = from the start). Evaluation always counts it."},
+    )
+    single_block_steps: int = field(
+        default=0,
+        metadata={"help": "Train with block 1 only (no follow-up blocks) during the first single_block_steps steps, "
+                  "with num_blocks after (the reference's first phase; 0 = off). Evaluation always runs num_blocks."},
+    )
 
 
 @dataclass
@@ -178,7 +212,30 @@ class SpecBlockLossConfig:
     rank_label_smoothing: float = 0.1
     rank_distance_weight: float = 1.0
     rank_under_penalty: float = 2.0
+    slot_normalization: str = "valid_prefix"
+    unlock_warmup_steps: int = 0
+    rank_start_step: int = 0
     sync_normalizers: bool = True  # sum normalisers over processes under torch.distributed
+
+    def __post_init__(self) -> None:
+        if self.slot_normalization not in SLOT_NORMALIZATIONS:
+            raise ValueError(
+                f"slot_normalization must be one of {SLOT_NORMALIZATIONS}, got {self.slot_normalization!r}."
+            )
+        if self.unlock_warmup_steps < 0 or self.rank_start_step < 0:
+            raise ValueError("unlock_warmup_steps and rank_start_step must be >= 0.")
+
+    def slot_weights(self, block_size: int, step: int | None = None) -> list[float]:
+        """Draft-loss weight of each slot at optimizer step ``step`` (None: evaluation, every slot unlocked):
+        ``slot_decay**k``, times ``min(1, step / (unlock_warmup_steps * (k+1)))`` for k >= 1 while unlocking."""
+        weights = [self.slot_decay**k for k in range(block_size)]
+        if step is None or not self.unlock_warmup_steps:
+            return weights
+        return [w * min(1.0, step / (self.unlock_warmup_steps * (k + 1))) if k else w for k, w in enumerate(weights)]
+
+    def rank_weight(self, step: int | None = None) -> float:
+        """Rank-loss weight at optimizer step ``step`` (None: evaluation): 0 before ``rank_start_step``."""
+        return 0.0 if step is not None and step < self.rank_start_step else self.rank_loss_weight
 
     @classmethod
     def from_args(cls, args: SpecBlockTrainingArguments) -> "SpecBlockLossConfig":

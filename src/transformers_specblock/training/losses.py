@@ -216,6 +216,16 @@ def block_terms(
     return BlockTerms(**stacked, in_vocab=in_vocab, counted=counted, exists=exists)
 
 
+def draft_loss(
+    masked_sums: torch.Tensor, counts: torch.Tensor, slot_weights: torch.Tensor, normalization: str = "valid_prefix"
+) -> torch.Tensor:
+    """Draft loss from per-(block, slot) masked CE sums and counted slots [blocks, K]: the mean over blocks of
+    ``sum_k w_k * masked_sums[b, k] / den[b, k]``, den = ``counts[b, k]`` (``valid_prefix``: the slot's own count,
+    the reference formula) or ``counts[b, 0]`` (``slot0``: the block's slot-0 count), at least 1."""
+    den = counts[:, :1] if normalization == "slot0" else counts
+    return (slot_weights * masked_sums / den.clamp(min=1)).sum() / counts.shape[0]
+
+
 def followup_training_mask(
     num_positions: int, block_size: int, increments: Sequence[int], device: torch.device | str
 ) -> torch.BoolTensor:

@@ -11,10 +11,12 @@ renormalised):
 * ``correct[b,i,k] = d2t[argmax q] == argmax_target(j)``; ``prefix[b,i,k] = prod_{k'<k} correct[b,i,k']``.
 * ``draft_mask = assistant(x_{j+1}) & in_draft_vocab(argmax_target(j)) & prefix`` (prefix only with
   ``valid_prefix_mask``).
-* ``L_draft = (1/num_blocks) sum_b sum_k slot_decay^k * sum_i ce*draft_mask / sum_i draft_mask``.
+* ``L_draft = (1/num_blocks) sum_b sum_k w_k * sum_i ce*draft_mask / sum_i draft_mask`` with ``w_k = slot_decay^k``
+  (times a linear ramp while ``unlock_warmup_steps`` unlocks slot k >= 1); ``--slot_normalization slot0`` divides
+  every slot by block b's slot-0 count ``sum_i draft_mask[b,i,0]`` instead (not the reference formula).
 * Rank head: see `rank_head_loss`; ``rank_mask = assistant(x_{j+1}) & prefix`` (the first wrong slot of a chain
   included), labels from the 1-based rank of the target's argmax in the slot's draft distribution.
-* ``L = L_draft + rank_loss_weight * L_rank``.
+* ``L = L_draft + rank_loss_weight * L_rank`` (the rank weight is 0 before ``rank_start_step``).
 
 The sums over i run over the whole batch. Under DDP the normalisers (counted slots per block and slot, rank class
 counts) are summed over all processes, so the averaged gradient and the logged loss equal those of one process on the
@@ -43,12 +45,13 @@ from transformers.utils import ModelOutput
 from ..models.specblock.configuration_specblock import SpecBlockConfig
 from ..models.specblock.modeling_specblock import SpecBlockDraftModel, block_causal_mask
 from .arguments import SpecBlockLossConfig
-from .losses import BlockTerms, _all_reduce, block_terms, followup_training_mask, rank_head_loss
+from .losses import BlockTerms, _all_reduce, block_terms, draft_loss, followup_training_mask, rank_head_loss
 
 
 @dataclass
 class SpecBlockTrainingOutput(ModelOutput):
-    """loss = loss_draft + rank_loss_weight * loss_rank; ``stats``: detached metric sums (`training_stat_names` layout)."""
+    """loss = loss_draft + the step's rank weight * loss_rank; ``stats``: detached metric sums (`training_stat_names`
+    layout)."""
 
     loss: torch.Tensor | None = None
     loss_draft: torch.Tensor | None = None
@@ -81,12 +84,15 @@ class SpecBlockDraftModelForTraining(SpecBlockDraftModel):
         target_logits: torch.Tensor,
         target_argmax: torch.LongTensor,
         followup_offsets: Sequence[int] = (),
+        training_step: int | None = None,
     ) -> SpecBlockTrainingOutput:
         """Multi-block training pass.
 
         input_ids / attention_mask / loss_mask [B, T]; features [B, T, 3*H_target] target features per position;
         target_logits [B, T, Vd] the target's logits over the draft vocabulary; target_argmax [B, T] its greedy
-        token (target ids); followup_offsets: M (1..K) of each follow-up block (``num_blocks - 1`` values).
+        token (target ids); followup_offsets: M (1..K) of each follow-up block (``num_blocks - 1`` values);
+        training_step: the optimizer step, for the loss schedule (``unlock_warmup_steps``, ``rank_start_step``;
+        None = evaluation: the full weights).
         """
         cfg = self.loss_config
         k_slots = self.config.block_size
@@ -153,12 +159,9 @@ class SpecBlockDraftModelForTraining(SpecBlockDraftModel):
         class_counts = norms[num_blocks_run * k_slots :]
 
         # ---- draft loss
-        slot_weights = torch.tensor([cfg.slot_decay**k for k in range(k_slots)], device=device)
-        loss_draft = torch.zeros((), dtype=torch.float32, device=device)
-        for b, (t, m) in enumerate(zip(terms, draft_masks)):
-            per_slot = (t.ce * m).sum((0, 1)) / draft_den[b].clamp(min=1)
-            loss_draft = loss_draft + (slot_weights * per_slot).sum()
-        loss_draft = loss_draft * world / num_blocks_run
+        slot_weights = torch.tensor(cfg.slot_weights(k_slots, training_step), device=device)
+        masked_sums = torch.stack([(t.ce * m).sum((0, 1)) for t, m in zip(terms, draft_masks)])
+        loss_draft = draft_loss(masked_sums, draft_den, slot_weights, cfg.slot_normalization) * world
 
         # ---- rank loss (its input is detached inside the model: it trains the rank head only)
         rank_logits = torch.cat([t.rank_logits for t in terms], dim=1)
@@ -170,8 +173,9 @@ class SpecBlockDraftModelForTraining(SpecBlockDraftModel):
         )  # fmt: skip
         loss_rank = rank_sum * world / rank_weight.clamp(min=1e-12)
         loss = loss_draft
-        if cfg.rank_loss_weight:
-            loss = loss + cfg.rank_loss_weight * loss_rank
+        rank_weight = cfg.rank_weight(training_step)
+        if rank_weight:
+            loss = loss + rank_weight * loss_rank
         else:  # keep the rank head in the graph (DDP expects every parameter to get a gradient)
             loss = loss + rank_logits.sum() * 0.0
 

@@ -102,8 +102,13 @@ def _build_drafter(
     if model_args.drafter not in DRAFTERS:
         raise ValueError(f"--drafter must be one of {sorted(DRAFTERS)}, got {model_args.drafter!r}.")
     config_class, model_class = DRAFTERS[model_args.drafter]
-    if model_args.drafter == "eagle3" and (model_args.block_size or model_args.drafter_num_layers):
-        raise ValueError("--block_size / --drafter_num_layers are SpecBlock settings; EAGLE-3 has one layer.")
+    if model_args.drafter == "eagle3" and (
+        model_args.block_size or model_args.drafter_num_layers or model_args.fusion_identity_init
+    ):
+        raise ValueError(
+            "--block_size / --drafter_num_layers / --fusion_identity_init are SpecBlock settings; EAGLE-3 has one "
+            "layer and no fusion."
+        )
     if model_args.init_drafter:
         with explain_hub_errors(model_args.init_drafter, kind="drafter", names="a shipped drafter"):
             config = config_class.from_pretrained(model_args.init_drafter)
@@ -113,6 +118,7 @@ def _build_drafter(
             ("target_layer_ids", layer_ids),
             ("draft_vocab_size", model_args.draft_vocab_size),
             ("num_hidden_layers", model_args.drafter_num_layers),
+            ("fusion_identity_init", model_args.fusion_identity_init or None),
         ):
             if requested is not None and requested != getattr(config, name, requested):
                 raise ValueError(
@@ -134,6 +140,8 @@ def _build_drafter(
             overrides["target_layer_ids"] = layer_ids
         if model_args.drafter_num_layers is not None:
             overrides["num_hidden_layers"] = model_args.drafter_num_layers
+        if model_args.fusion_identity_init:
+            overrides["fusion_identity_init"] = True
         config = config_class.from_target_config(target.config, **overrides)
         check_layer_ids(config.target_layer_ids, target, model_args.target_model)
         drafter = model_class(config)
@@ -243,6 +251,8 @@ def run_training(
         raise ValueError(f"--features must be 'online' or 'precomputed', got {data_args.features!r}.")
     if training_args.num_blocks < 1:
         raise ValueError(f"--num_blocks must be >= 1, got {training_args.num_blocks}.")
+    if training_args.single_block_steps < 0:
+        raise ValueError(f"--single_block_steps must be >= 0, got {training_args.single_block_steps}.")
     save_dtype = _DTYPES.get(model_args.save_dtype)
     if save_dtype is None:
         raise ValueError(f"--save_dtype must be one of {', '.join(_DTYPES)}, got {model_args.save_dtype!r}.")
@@ -299,6 +309,7 @@ def run_training(
         processing_class=tokenizer,
         target=target,
         num_blocks=1 if model_args.drafter == "eagle3" else training_args.num_blocks,
+        single_block_steps=training_args.single_block_steps,
         place_target=False,  # loaded on --device already
     )
     trained = next(drafter.parameters()).dtype

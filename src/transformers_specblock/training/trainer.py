@@ -12,6 +12,7 @@ from transformers.trainer_utils import EvalLoopOutput
 from ..models.specblock.modeling_specblock import SpecBlockDraftModel
 from .features import _target_head, draft_target_logits, target_argmax, target_features
 from .losses import _all_reduce, stats_to_metrics
+from .modeling import SpecBlockDraftModelForTraining
 
 
 SESSION_KEY = "session"
@@ -46,14 +47,23 @@ class SpecBlockTrainer(Trainer):
     ``loss_draft``, ``loss_rank``) with the training loss and in every evaluation.
 
     The target is moved to the Trainer's device unless ``place_target=False`` (a target already placed, e.g. spread
-    over GPUs with a ``device_map``); its features are moved to the drafter's device either way."""
+    over GPUs with a ``device_map``); its features are moved to the drafter's device either way. The first
+    ``single_block_steps`` optimizer steps train block 1 only; a SpecBlock drafter's forward gets the step for its
+    loss schedule (evaluation: none, i.e. the full loss)."""
 
     def __init__(
-        self, *args: Any, target: PreTrainedModel, num_blocks: int = 3, place_target: bool = True, **kwargs: Any
+        self,
+        *args: Any,
+        target: PreTrainedModel,
+        num_blocks: int = 3,
+        single_block_steps: int = 0,
+        place_target: bool = True,
+        **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
         self.target = (target.to(self.args.device) if place_target else target).eval().requires_grad_(False)
         self.num_blocks = num_blocks
+        self.single_block_steps = single_block_steps
         self.loss_is_scaled_for_ga = False  # per-micro-batch means: the Trainer divides by the accumulation steps
         drafter = self.accelerator.unwrap_model(self.model)
         self.block_size = getattr(drafter.config, "block_size", None) or drafter.config.ttt_steps  # eagle3: steps
@@ -67,8 +77,11 @@ class SpecBlockTrainer(Trainer):
 
     def followup_offsets(self, training: bool) -> list[int]:
         """M ~ U{1..K} per follow-up block, from a generator seeded by (seed, global step): the same on every
-        process and across a resume; evaluation uses a fixed draw."""
+        process and across a resume; evaluation uses a fixed draw. Empty (block 1 only) during the first
+        ``single_block_steps``."""
         step = self.state.global_step if training else -1
+        if training and step < self.single_block_steps:
+            return []
         generator = torch.Generator().manual_seed(self.args.seed * 1_000_003 + step + 17)
         draws = torch.randint(1, self.block_size + 1, (max(0, self.num_blocks - 1),), generator=generator)
         return draws.tolist()
@@ -99,6 +112,8 @@ class SpecBlockTrainer(Trainer):
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):  # noqa: D102
         drafter = self.accelerator.unwrap_model(model)
         batch = self.target_batch(drafter, inputs)
+        if isinstance(drafter, SpecBlockDraftModelForTraining):
+            batch["training_step"] = self.state.global_step if model.training else None
         outputs = model(**batch, followup_offsets=self.followup_offsets(model.training))
         key = "train" if model.training else "eval"
         stats = outputs.stats.detach()

@@ -29,6 +29,8 @@ class SpecBlockConfig(TreeDrafterConfig):
         prefill_chunk_size: Prompt positions the drafter reads per forward (it keeps K entries per position, so a
             long prompt in one forward would need a (P*K)^2 mask); the result does not depend on it.
         rank_head_hidden_size: Hidden width of the rank head MLP.
+        fusion_identity_init: Initialise the fusion layer's condition part to identity (the token and slot-query
+            parts stay random), so the features reach the decoder directly; only a new drafter's weights read it.
     """
 
     model_type = "specblock"
@@ -46,6 +48,7 @@ class SpecBlockConfig(TreeDrafterConfig):
         max_followups: int = 4,
         prefill_chunk_size: int = 256,
         rank_head_hidden_size: int = 256,
+        fusion_identity_init: bool = False,
         **kwargs: Any,
     ) -> None:
         self.block_size = block_size
@@ -57,6 +60,7 @@ class SpecBlockConfig(TreeDrafterConfig):
         self.max_followups = max_followups
         self.prefill_chunk_size = prefill_chunk_size
         self.rank_head_hidden_size = rank_head_hidden_size
+        self.fusion_identity_init = fusion_identity_init
         super().__init__(num_hidden_layers=num_hidden_layers, **kwargs)
 
     @property

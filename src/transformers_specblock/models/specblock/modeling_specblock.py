@@ -94,6 +94,9 @@ class SpecBlockPreTrainedModel(TreeDraftModel):
             hidden = self.config.hidden_size
             for shift in module.layer_shifts:  # start as "keep h_k": identity on the own-slot half
                 init.copy_(shift.weight, torch.cat([torch.eye(hidden), torch.zeros(hidden, hidden)], dim=1))
+            if self.config.fusion_identity_init:  # the condition passes straight through the fusion
+                weight = module.fusion.weight
+                init.copy_(weight, torch.cat([torch.eye(hidden, dtype=weight.dtype), weight[:, hidden:]], dim=1))
 
 
 class SpecBlockDraftModel(SpecBlockPreTrainedModel):
