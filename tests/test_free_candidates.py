@@ -174,3 +174,24 @@ def test_budget_zero_still_verifies_free_candidates_without_a_drafter_call(one_t
         reference = target.generate(prompt[None], do_sample=False, max_new_tokens=40)
         out = target.generate(prompt[None], assistant_model=drafter, do_sample=False, max_new_tokens=40)
     assert out.tolist() == reference.tolist()
+
+
+def test_source_scores_carry_over_between_calls_and_fade(one_thread):
+    target = make_target("llama", vocab_size=24, seed=0)
+    lookup = LookupTreeModel.from_target(target, tree_budget=8, **LOOKUP)
+    prompt = _repetitive_prompt(24, 0)
+    target.generate(prompt, assistant_model=lookup, max_new_tokens=20)
+    (scores,) = lookup._source_scores.values()
+    tried = sum(sum(t) for t in scores.attempted.values())
+    assert tried > 0
+    target.generate(prompt, assistant_model=lookup, max_new_tokens=20)
+    assert lookup._source_scores[next(iter(lookup._source_scores))] is scores  # the same learnt scores
+    assert sum(sum(t) for t in scores.attempted.values()) > tried
+    fading = SourceScores(memory=4.0)
+    children = {(0, 5): 1}
+    for _ in range(10):
+        fading.record("ngram_cache", [5], children, [5])
+    assert fading.attempted["ngram_cache"][0] == 4.0 and fading.accepted["ngram_cache"][0] == pytest.approx(4.0)
+    for _ in range(10):
+        fading.record("ngram_cache", [5], children, [7])  # the kind stops being right: its rate falls to ~0
+    assert fading.accepted["ngram_cache"][0] == pytest.approx(4 * 0.75**10)  # each miss keeps 3/4 of the hits

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..models.tree_drafter.modeling_tree_drafter import TreeDraftModel
 from .tree import DraftTree
 
 def prompt_lookup_chains(
@@ -72,9 +73,11 @@ class NgramCache:
 @dataclass
 class SourceScores:
     """Per kind of proposal (a source, and for prompt lookup the matched n-gram length) and per depth: how often a
-    proposed token was accepted when the tokens before it were (a Beta(1, 1) prior)."""
+    proposed token was accepted when the tokens before it were (a Beta(1, 1) prior). Counts fade once a depth has
+    more than `memory` tries (both are scaled back to it), so the rates follow recent text."""
 
     max_depth: int = 16
+    memory: float = 64.0
     accepted: dict[str, list[float]] = field(default_factory=dict)
     attempted: dict[str, list[float]] = field(default_factory=dict)
 
@@ -107,6 +110,9 @@ class SourceScores:
             if node < 0:  # pruned away: never shown to the target
                 return
             k = min(d, self.max_depth - 1)
+            if tries[k] >= self.memory:  # fade the old counts
+                hits[k] *= (self.memory - 1.0) / tries[k]
+                tries[k] = self.memory - 1.0
             tries[k] += 1.0
             if d >= len(accepted) or accepted[d] != token:
                 return
@@ -133,12 +139,20 @@ class LookupSettings:
         return self.prompt_lookup_num_tokens > 0 or self.ngram_cache_num_tokens > 0
 
 
-class FreeCandidates:
-    """The free candidate sources of one `generate` call: proposes their chains into a tree, learns their scores."""
+def source_scores_for(drafter: TreeDraftModel, settings: LookupSettings) -> SourceScores:
+    """The learnt source scores of `drafter` for these free-candidate settings, kept on the drafter so what one
+    `generate` call learnt (which kinds of match the target accepts) carries over to the next."""
+    per_settings = drafter.__dict__.setdefault("_source_scores", {})
+    return per_settings.setdefault(settings, SourceScores())
 
-    def __init__(self, settings: LookupSettings) -> None:
+
+class FreeCandidates:
+    """The free candidate sources of one `generate` call: proposes their chains into a tree, learns their scores
+    (`scores`, shared between calls through `source_scores_for`)."""
+
+    def __init__(self, settings: LookupSettings, scores: SourceScores | None = None) -> None:
         self.settings = settings
-        self.scores = SourceScores()
+        self.scores = scores if scores is not None else SourceScores()
         self.ngram_cache = NgramCache(settings.ngram_cache_order) if settings.ngram_cache_num_tokens else None
         self.proposed: list[tuple[str, list[int]]] = []  # (kind, chain) merged into the latest tree
 

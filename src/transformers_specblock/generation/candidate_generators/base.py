@@ -12,7 +12,7 @@ from transformers.generation.candidate_generator import CandidateGenerator
 from ...models.tree_drafter.configuration_tree_drafter import AUTO
 from ...models.tree_drafter.modeling_tree_drafter import TreeDraftModel
 from ...utils import sync
-from ..lookup import FreeCandidates, LookupSettings
+from ..lookup import FreeCandidates, LookupSettings, source_scores_for
 from ..tree import SOURCE_BITS, DraftTree
 
 
@@ -52,7 +52,7 @@ class TreeCandidateGenerator(CandidateGenerator):
         self.queued_first_position = 0
         self.has_read = False  # whether the drafter has read any context yet
         lookup = LookupSettings.from_config(drafter.config)
-        self.free_candidates = FreeCandidates(lookup) if lookup.enabled else None
+        self.free_candidates = FreeCandidates(lookup, source_scores_for(drafter, lookup)) if lookup.enabled else None
 
     def queue(self, target_features: torch.Tensor, next_tokens: torch.LongTensor, first_position: int) -> None:
         """Remember committed positions for the drafter to read before its next draft (see `observe`)."""
