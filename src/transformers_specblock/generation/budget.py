@@ -36,6 +36,10 @@ from .tree import DraftTree, tree_verification_mask
 
 DEFAULT_WINDOW = 64  # verified steps: the estimates are means over the samples of the last `window` steps
 DEFAULT_KEEP = 4  # ... and over at least the last `keep` samples of each candidate
+# Tree sizes always timed: one extra row can cost much more than a step on a CPU (a matrix-vector product becomes a
+# matrix product), which interpolating between the candidates would hide, and small trees are common once
+# `worth_verifying` sizes them.
+SMALL_SIZES = {0, 1, 2, 3, 4}
 
 
 _COST_CACHE: "weakref.WeakKeyDictionary[PreTrainedModel, dict[str, TargetCost]]" = weakref.WeakKeyDictionary()
@@ -271,7 +275,8 @@ def auto_budget_for(drafter: TreeDraftModel, target: PreTrainedModel) -> AutoBud
     choosers = drafter.__dict__.setdefault("_auto_budgets", {})
     if key not in choosers:
         choosers[key] = AutoBudget(
-            candidates, measure_target_cost(target, candidates), warmup=config.auto_budget_warmup,
+            candidates, measure_target_cost(target, sorted(set(candidates) | SMALL_SIZES)),
+            warmup=config.auto_budget_warmup,
             free_at_zero=key[-1].enabled,
         )  # fmt: skip
     drafter.__dict__["_auto_budget"] = choosers[key]  # the chooser of the latest call, for inspection
