@@ -113,7 +113,7 @@ def tree_speculative_decoding(
     generator = get_candidate_generator(drafter)
     auto_budget = auto_budget_for(drafter, model) if drafter.config.tree_budget == AUTO else None
     cache = full_attention_cache(model, model_kwargs["past_key_values"], generation_config, generator.tree_budget)
-    feature_layers = drafter.config.target_layer_ids if generator.reads_features else []
+    feature_layers = drafter.config.feature_layers if generator.reads_features else []
     tree_processor = TreeLogitsProcessor(logits_processor)  # refuses stateful processors before any forward
     accept = sample_accept if generation_config.do_sample else greedy_accept
     outputs = _Outputs(generation_config)

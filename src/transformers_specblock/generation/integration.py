@@ -31,8 +31,9 @@ def _assisted_decoding(
     tokenizer: Any = None,
     **model_kwargs: Any,
 ) -> GenerateDecoderOnlyOutput | torch.LongTensor:
-    """`GenerationMixin._assisted_decoding`, routed to the tree loop when the assistant is a SpecBlock drafter."""
-    if isinstance(assistant_model, TreeDraftModel):
+    """`GenerationMixin._assisted_decoding`, routed to the tree loop when the assistant is a tree drafter and no
+    `speculation_type` asks for transformers' own path (e.g. "dflash": a DFlash drafter verified as a chain)."""
+    if isinstance(assistant_model, TreeDraftModel) and generation_config.speculation_type is None:
         return tree_speculative_decoding(
             self, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus, streamer,
             assistant_model, **model_kwargs,
@@ -76,7 +77,7 @@ def generate(model: PreTrainedModel, *args: Any, assistant_model: PreTrainedMode
     Runs transformers' own `generate` preparation (logits processors, stopping criteria, cache) and hands the
     decoding to the tree loop through a `custom_generate` callable; works whether or not `install()` ran.
     """
-    if not isinstance(assistant_model, TreeDraftModel):
+    if not isinstance(assistant_model, TreeDraftModel) or kwargs.get("speculation_type") is not None:
         return GenerationMixin.generate(model, *args, assistant_model=assistant_model, **kwargs)
     streamer = kwargs.pop("streamer", None)
     decoding = functools.partial(_custom_decoding, assistant_model=assistant_model, streamer=streamer)

@@ -159,6 +159,14 @@ class TreeDrafterConfig(PretrainedConfig):
         if not isinstance(interval, int) or isinstance(interval, bool) or interval < 1:
             raise ValueError(f"auto_budget_explore_interval must be an int >= 1, got {interval!r}.")
         self._validate_lookup_settings()
+        self._validate_target_layer_ids()
+
+    @property
+    def feature_layers(self) -> list[int]:
+        """Indices into the target's `hidden_states` tuple the drafter reads (index 0 = the embedding output)."""
+        return list(self.target_layer_ids)
+
+    def _validate_target_layer_ids(self) -> None:
         if len(self.target_layer_ids) != 3:
             raise ValueError(f"target_layer_ids must name 3 hidden states, got {self.target_layer_ids}.")
         if max(self.target_layer_ids) > self.target_num_hidden_layers or min(self.target_layer_ids) < 0:
