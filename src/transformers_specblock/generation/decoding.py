@@ -4,7 +4,9 @@ draft (`candidate_generators`: the drafter reads the queued context and grows a 
 join it) -> verify (`verification`: one target forward over the tree) -> accept (`acceptance`: greedy or lossless
 sampling, after `logits_process`) -> compact (`cache_utils`: the target KV cache keeps the accepted path) -> observe
 (the accepted positions' target features are queued for the drafter; the free candidates learn what was accepted).
-`budget` picks the tree size per step when `tree_budget="auto"`, and sizes each drafted tree.
+`budget` picks the tree size per step when `tree_budget="auto"`, and sizes each drafted tree. With
+`online_adaptation` on, `adaptation` collects the verified rows as a training signal and updates the drafter after
+the call.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from ..models.tree_drafter.configuration_tree_drafter import AUTO
 from ..models.tree_drafter.modeling_tree_drafter import TreeDraftModel
 from ..utils import sync
 from .acceptance import greedy_accept, sample_accept
+from .adaptation import online_adapter_for
 from .budget import auto_budget_for
 from .cache_utils import compact_cache, full_attention_cache
 from .candidate_generators import TreeCandidateGenerator, get_candidate_generator
@@ -43,6 +46,14 @@ class SpecBlockStats:
     target_time_s: float = 0.0
     total_time_s: float = 0.0
     accepted_by_source: dict[str, int] = field(default_factory=dict)  # accepted drafted tokens each source proposed
+    # online adaptation (`generation.adaptation`): the action taken after this call's tokens ("off", "skip",
+    # "head_only", "full"), its time (inside total_time_s), the signal samples captured (of which the drafter's
+    # best proposal was wrong) and whether the previous call's update was rolled back
+    adaptation_action: str = "off"
+    adaptation_time_s: float = 0.0
+    adaptation_signal: int = 0
+    adaptation_signal_wrong: int = 0
+    adaptation_rolled_back: bool = False
 
     @property
     def tau(self) -> float:
@@ -111,6 +122,9 @@ def tree_speculative_decoding(
         raise ValueError("synced_gpus (DeepSpeed ZeRO-3 / FSDP) is not supported with SpecBlock decoding.")
     drafter.bind_target(model)
     generator = get_candidate_generator(drafter)
+    adapter = online_adapter_for(drafter) if drafter.config.online_adaptation != "off" else None
+    if adapter is not None:
+        adapter.start_call(generator)
     auto_budget = auto_budget_for(drafter, model) if drafter.config.tree_budget == AUTO else None
     cache = full_attention_cache(model, model_kwargs["past_key_values"], generation_config, generator.tree_budget)
     feature_layers = drafter.config.feature_layers if generator.reads_features else []
@@ -174,6 +188,8 @@ def tree_speculative_decoding(
         stats.target_time_s += time.perf_counter() - target_start
         if budget > 0 or generator.free_candidates is not None:
             generator.record_verified(tree, path)
+        if adapter is not None and budget > 0:  # the verified rows teach the drafter (no extra target forward)
+            adapter.capture(generator, tree, path, bonus, result.logits)
         if auto_budget is not None and budget > 0:
             auto_budget.observe(tree, path, drafting_seconds, budget=budget)
         elif auto_budget is not None and auto_budget.free_at_zero:
@@ -196,6 +212,11 @@ def tree_speculative_decoding(
     stats.drafter_forwards = generator.stats.drafter_forwards
     stats.drafter_time_s = generator.stats.drafter_time_s
     stats.accepted_by_source = dict(generator.stats.accepted_by_source)
+    if adapter is not None:  # update after the call's last token, timed inside the call
+        report = adapter.finish_call(stats.new_tokens, time.perf_counter() - started, stats.tau)
+        stats.adaptation_action, stats.adaptation_time_s = report.action, report.update_time_s
+        stats.adaptation_signal, stats.adaptation_signal_wrong = report.signal, report.signal_wrong
+        stats.adaptation_rolled_back = report.rolled_back
     stats.total_time_s = time.perf_counter() - started
     drafter.last_stats = stats
     return outputs.result(input_ids, cache)

@@ -53,12 +53,31 @@ class TreeCandidateGenerator(CandidateGenerator):
         self.has_read = False  # whether the drafter has read any context yet
         lookup = LookupSettings.from_config(drafter.config)
         self.free_candidates = FreeCandidates(lookup, source_scores_for(drafter, lookup)) if lookup.enabled else None
+        # online adaptation (`generation.adaptation`) turns these on: which drafter state gave each drafted node's
+        # distribution, the drafter's unpruned tree, and the last committed positions (for replaying them)
+        self.keep_producers = False
+        # (nodes [n], the states [n, H] they were drafted from, their block-1 slot [n] or None: see note_producers)
+        self.producers: list[tuple[torch.LongTensor, torch.Tensor, torch.LongTensor | None]] = []
+        self.drafted: DraftTree | None = None
+        self.context_size = 0
+        self.context: tuple[torch.Tensor, torch.LongTensor, torch.LongTensor] | None = None  # features, tokens, pos
 
     def queue(self, target_features: torch.Tensor, next_tokens: torch.LongTensor, first_position: int) -> None:
         """Remember committed positions for the drafter to read before its next draft (see `observe`)."""
         if not self.queued:
             self.queued_first_position = first_position
         self.queued.append((target_features, next_tokens))
+        if self.context_size:
+            self._extend_context(target_features, next_tokens, first_position)
+
+    def _extend_context(self, features: torch.Tensor, tokens: torch.LongTensor, first_position: int) -> None:
+        """Keep the last `context_size` committed positions (features [C, 3H], tokens [C], rotary positions [C])."""
+        positions = torch.arange(first_position, first_position + tokens.shape[0], device=tokens.device)
+        if self.context is not None:
+            features, tokens, positions = (
+                torch.cat([old, new]) for old, new in zip(self.context, (features, tokens, positions))
+            )
+        self.context = (features[-self.context_size :], tokens[-self.context_size :], positions[-self.context_size :])
 
     def read_queued(self) -> int:
         """Feed every queued position to the drafter in one `observe`; returns how many steps were queued."""
@@ -85,12 +104,24 @@ class TreeCandidateGenerator(CandidateGenerator):
         candidates merged in, pruned to `tree_budget` drafted nodes; without the drafter, the free candidates alone
         (no drafter call)."""
         root = int(sequence[-1])
+        self.producers = []
         tree = self.grow_tree(root) if with_drafter else DraftTree.root_only(root, self.drafter.device)
+        self.drafted = tree if self.keep_producers and with_drafter else None
         if self.free_candidates is not None:
             start = time.perf_counter()
             self.free_candidates.add_to(tree, sequence)
             self._account(start, forwards=0)
         return tree.prune(self.tree_budget)
+
+    def note_producers(
+        self, nodes: torch.LongTensor, states: torch.Tensor, root_slots: torch.LongTensor | None = None
+    ) -> None:
+        """Record (when adaptation asks) that each of `nodes` [n] was drafted from the distribution of the drafter's
+        pre-norm state `states[i]` [n, H] (siblings share one state). `root_slots` [n]: the slot of the root
+        position's own output that state is (SpecBlock's block 1; EAGLE-3's root output is slot 0), which a replay of
+        the committed context reproduces; None for states of follow-up blocks or expansion rounds."""
+        if self.keep_producers:
+            self.producers.append((nodes, states.detach(), root_slots))
 
     def record_verified(self, tree: DraftTree, path: torch.LongTensor) -> None:
         """What the target accepted of a verified tree: counted per source, and learnt by the free candidates."""

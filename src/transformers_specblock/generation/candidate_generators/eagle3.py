@@ -96,6 +96,7 @@ class Eagle3CandidateGenerator(TreeCandidateGenerator):
         top_lp, top_ids = logits.float().log_softmax(-1).topk(k)
         ones = torch.ones(k, dtype=torch.long, device=device)
         frontier = tree.add_nodes(d2t[top_ids], ones - 1, ones, top_lp)  # children of the root, at depth 1
+        self.note_producers(frontier, hidden[None].expand(k, -1), ones - 1)  # the root output: slot 0
         frontier_hidden = hidden[None].expand(k, -1)  # every depth-1 node was produced by the root position
         frontier_visible = torch.zeros(k, 0, dtype=torch.bool, device=device)  # over this iteration's entries
         rounds = 0
@@ -119,6 +120,8 @@ class Eagle3CandidateGenerator(TreeCandidateGenerator):
             cumulative = (tree.scores[frontier][:, None] + child_lp).flatten()  # parent-major
             parents = frontier.repeat_interleave(k)
             children = tree.add_nodes(d2t[child_ids.flatten()], parents, tree.depths[parents] + 1, cumulative)
+            if self.keep_producers:  # online adaptation: node i's children came from frontier state i
+                self.note_producers(children, out.hidden_states[0].repeat_interleave(k, 0))
             best = cumulative.topk(min(k, cumulative.numel())).indices
             frontier = children[best]
             frontier_hidden = out.hidden_states[0][best // k]

@@ -114,6 +114,8 @@ class SpecBlockCandidateGenerator(TreeCandidateGenerator):
         blocks = 1
         for round_idx in range(self.max_blocks):
             nodes, block_of, slot_of, leaf = self._expand(tree, rnd)
+            if self.keep_producers:  # online adaptation: block 1's slots are the root position's own outputs
+                self.note_producers(nodes, rnd.hidden[block_of, slot_of], slot_of if round_idx == 0 else None)
             if round_idx == self.max_blocks - 1:
                 break
             # follow-up blocks start from the best-scoring leaves of this round (chain ends and siblings)

@@ -16,6 +16,9 @@ from ...hub.shipped import resolve_drafter_path
 AUTO = "auto"
 DEFAULT_CANDIDATES = (0, 2, 4, 8, 16, 24, 32, 48, 64)
 DEFAULT_EXPLORE_INTERVAL = 32  # verified steps between two trees drafted above the chosen budget
+# online_adaptation policies: no update / whole drafter after every call (OSD-style) / output side after every call /
+# cost-aware choice between skip and whole drafter / cost-aware choice between skip, output side and whole drafter
+ADAPTATION_POLICIES = ("off", "always", "head_only", "full", "bandit")
 # Target families whose decoder stack and hidden-state layout the drafters understand.
 SUPPORTED_TARGET_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "gemma3")
 
@@ -69,6 +72,16 @@ class TreeDrafterConfig(PretrainedConfig):
         ngram_cache_order: Tokens of context of the n-gram cache.
         Free candidates cost no drafter call; their nodes are scored by the acceptance rate each source earned in
         this `generate` call, so pruning to `tree_budget` (and "auto") weighs them with the drafter's nodes.
+        online_adaptation: Learn from the verifier while serving (`generation.adaptation`): "off" (default); "always"
+            (update the whole drafter after every `generate` call, OSD-style); "head_only" (update the output side,
+            `lm_head` and the rank head, after every call); "full" (a cost-aware bandit choosing between skipping and
+            a whole-drafter update); "bandit" (the cost-aware bandit over skip / output side / whole drafter). The
+            signal is the target distribution the verification already computed; outputs are unchanged.
+        adaptation_learning_rate: Adam learning rate of the online updates.
+        adaptation_buffer_size: Signal samples kept (the most recent; each holds the target's top-k and one drafter
+            state, and a replay context of `adaptation_context` positions for whole-drafter updates).
+        adaptation_top_k: Target probabilities kept per sample (the soft label of the update).
+        adaptation_context: Committed positions a whole-drafter update replays before each sample's position.
     """
 
     drafter_name = "tree"
@@ -105,6 +118,11 @@ class TreeDrafterConfig(PretrainedConfig):
         prompt_lookup_branches: int = 4,
         ngram_cache_num_tokens: int = 0,
         ngram_cache_order: int = 2,
+        online_adaptation: str = "off",
+        adaptation_learning_rate: float = 1e-4,
+        adaptation_buffer_size: int = 256,
+        adaptation_top_k: int = 32,
+        adaptation_context: int = 16,
         **kwargs: Any,
     ) -> None:
         kwargs.setdefault("tie_word_embeddings", False)
@@ -140,6 +158,11 @@ class TreeDrafterConfig(PretrainedConfig):
         self.prompt_lookup_branches = prompt_lookup_branches
         self.ngram_cache_num_tokens = ngram_cache_num_tokens
         self.ngram_cache_order = ngram_cache_order
+        self.online_adaptation = online_adaptation
+        self.adaptation_learning_rate = adaptation_learning_rate
+        self.adaptation_buffer_size = adaptation_buffer_size
+        self.adaptation_top_k = adaptation_top_k
+        self.adaptation_context = adaptation_context
         super().__init__(**kwargs)
         self.validate_settings()
 
@@ -192,6 +215,19 @@ class TreeDrafterConfig(PretrainedConfig):
                 f"prompt_lookup_min_ngram_size ({self.prompt_lookup_min_ngram_size}) must not exceed "
                 f"prompt_lookup_max_ngram_size ({self.prompt_lookup_max_ngram_size})."
             )
+
+    def _validate_adaptation_settings(self) -> None:
+        if self.online_adaptation not in ADAPTATION_POLICIES:
+            raise ValueError(
+                f"online_adaptation must be one of {ADAPTATION_POLICIES}, got {self.online_adaptation!r}."
+            )
+        rate = self.adaptation_learning_rate
+        if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not rate > 0:
+            raise ValueError(f"adaptation_learning_rate must be a float > 0, got {rate!r}.")
+        for name in ("adaptation_buffer_size", "adaptation_top_k", "adaptation_context"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}.")
 
     @classmethod
     def from_target_config(cls, target_config: PretrainedConfig, **overrides: Any) -> "TreeDrafterConfig":

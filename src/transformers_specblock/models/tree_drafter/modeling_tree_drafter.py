@@ -105,12 +105,51 @@ class TreeDraftModel(PreTrainedModel):
                 "written by other code; rebuild the vocabulary (training's `set_draft_vocab`) or re-export it."
             )
 
-    def save_pretrained(self, save_directory: str | os.PathLike, *args: Any, **kwargs: Any) -> Any:
-        """`PreTrainedModel.save_pretrained`, plus a generated Hub model card (`README.md`) from the config's records."""
-        result = super().save_pretrained(save_directory, *args, **kwargs)
+    def save_pretrained(
+        self, save_directory: str | os.PathLike, *args: Any, save_adapted: bool = False, **kwargs: Any
+    ) -> Any:
+        """`PreTrainedModel.save_pretrained`, plus a generated Hub model card (`README.md`) from the config's records.
+
+        A drafter changed by online adaptation writes the weights it was loaded with unless `save_adapted=True`.
+        """
+        with self._loaded_weights_in_place(not save_adapted):
+            result = super().save_pretrained(save_directory, *args, **kwargs)
         if kwargs.get("is_main_process", True):
             build_model_card(self).save(os.path.join(save_directory, "README.md"))
         return result
+
+    def remember_loaded_weights(self) -> None:
+        """Keep a copy of the weights as they are now (once: the first online update calls it), for
+        `reset_adaptation` and for `save_pretrained` without `save_adapted`."""
+        if "_loaded_weights" not in self.__dict__:
+            self.__dict__["_loaded_weights"] = {n: p.detach().clone() for n, p in self.named_parameters()}
+
+    @torch.no_grad()
+    def reset_adaptation(self) -> None:
+        """Undo online adaptation: the weights the drafter was loaded with (bit for bit) and a fresh adaptation state."""
+        loaded = self.__dict__.pop("_loaded_weights", None)
+        if loaded is not None:
+            for name, param in self.named_parameters():
+                param.copy_(loaded[name])
+        self.__dict__.pop("_online_adaptation", None)  # buffer, bandit, optimizers (`generation.adaptation`)
+
+    @contextmanager
+    def _loaded_weights_in_place(self, active: bool) -> Iterator[None]:
+        """Temporarily put the loaded weights back (when `active` and the drafter was adapted)."""
+        loaded = self.__dict__.get("_loaded_weights") if active else None
+        if loaded is None:
+            yield
+            return
+        adapted = {n: p.detach().clone() for n, p in self.named_parameters()}
+        with torch.no_grad():
+            for name, param in self.named_parameters():
+                param.copy_(loaded[name])
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for name, param in self.named_parameters():
+                    param.copy_(adapted[name])
 
     @contextmanager
     def tree_settings(self, **settings: Any) -> Iterator["TreeDraftModel"]:

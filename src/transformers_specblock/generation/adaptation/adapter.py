@@ -1,0 +1,176 @@
+"""Online adaptation of a tree drafter while it serves: the per-drafter state that ties the signal, the update and
+the policy together, and what the decoding loop calls (`start_call`, `capture`, `finish_call`).
+
+Per `generate` call: the loop captures the signal after every verification (`signal.collect_signal`); after the
+last token `finish_call` (1) scores the action taken after the previous call (the bandit's reward; a rollback to
+the snapshot taken before that update if this call's tau fell more than `ROLLBACK_TOLERANCE` below the tau of the
+calls before it), (2) picks this call's action from the policy, (3) runs it, timed. The update runs inside the
+`generate` call, so its time is part of the call's wall time.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from ...models.tree_drafter.modeling_tree_drafter import TreeDraftModel
+from ...utils import sync
+from ..candidate_generators.base import TreeCandidateGenerator
+from ..tree import DraftTree
+from .bandit import SKIP, CostAwareBandit
+from .signal import SignalBuffer, collect_signal, target_to_draft_ids
+from .update import FULL, HEAD_ONLY, DrafterUpdater, trainable_parameters
+
+ROLLBACK_TOLERANCE = 0.15  # roll an update back when the next call's tau is this much below the reference
+REFERENCE_CALLS = 4  # calls whose mean tau is the reference of the rollback check
+POLICY_ARMS = {"full": (FULL, SKIP), "bandit": (HEAD_ONLY, FULL, SKIP)}  # cost-aware policies
+FIXED_ACTION = {"always": FULL, "head_only": HEAD_ONLY}
+
+
+@dataclass
+class AdaptationReport:
+    """What online adaptation did in one `generate` call (copied into `drafter.last_stats`)."""
+
+    action: str = "off"  # "skip", "head_only" or "full" (after this call's tokens); "off" when disabled
+    update_time_s: float = 0.0
+    signal: int = 0  # samples captured in this call
+    signal_wrong: int = 0  # of which the drafter's best proposal was wrong
+    rolled_back: bool = False  # the previous call's update was undone
+    loss: float = float("nan")  # soft cross entropy of the update's first step
+
+
+@dataclass
+class _Pending:
+    """The action taken after the previous call, scored by the next one."""
+
+    action: str
+    update_seconds: float
+    reference_tau: float
+    snapshot: dict[str, torch.Tensor] | None  # parameters before the update
+
+
+class OnlineAdapter:
+    """Signal buffer, updater, bandits and rollback state of one drafter (kept on it, see `online_adapter_for`)."""
+
+    def __init__(self, drafter: TreeDraftModel) -> None:
+        self.drafter = drafter
+        config = drafter.config
+        self.buffer = SignalBuffer(config.adaptation_buffer_size)
+        self.updater = DrafterUpdater(drafter, config.adaptation_learning_rate)
+        self.bandits: dict[str, CostAwareBandit] = {}
+        self.body_version = 0
+        self.pending: _Pending | None = None
+        self.recent_tau: deque[float] = deque(maxlen=REFERENCE_CALLS)
+        self.report = AdaptationReport()
+        self.to_draft = target_to_draft_ids(drafter.d2t, config.vocab_size)
+
+    @property
+    def policy(self) -> str:
+        return self.drafter.config.online_adaptation
+
+    # ---------------------------------------------------------------------------------------------------------
+    def start_call(self, generator: TreeCandidateGenerator) -> None:
+        """Ask the generator to keep what the signal needs; settings may have changed since the last call."""
+        config = self.drafter.config
+        generator.keep_producers = True
+        generator.context_size = config.adaptation_context
+        self.buffer.resize(config.adaptation_buffer_size)
+        self.updater.learning_rate = config.adaptation_learning_rate
+        if self.to_draft.device != self.drafter.d2t.device:
+            self.to_draft = self.to_draft.to(self.drafter.d2t.device)
+        self.report = AdaptationReport()
+
+    def capture(
+        self,
+        generator: TreeCandidateGenerator,
+        tree: DraftTree,
+        path: torch.LongTensor,
+        bonus: torch.LongTensor,
+        target_logits: torch.Tensor,
+    ) -> None:
+        """Add one verified tree's signal (target_logits [N+1, V]: the verification's raw rows)."""
+        samples = collect_signal(
+            generator, tree, path, bonus, target_logits, self.to_draft, self.drafter.config.adaptation_top_k,
+            self.body_version,
+        )  # fmt: skip
+        self.buffer.add(samples)
+        self.report.signal += len(samples)
+        self.report.signal_wrong += sum(s.wrong for s in samples)
+
+    def finish_call(self, new_tokens: int, decode_seconds: float, tau: float) -> AdaptationReport:
+        """Score the previous action, then choose and run this call's (see the module docstring)."""
+        if self.pending is not None:
+            self._score_pending(new_tokens, decode_seconds, tau)
+        self.recent_tau.append(tau)
+        action = self.choose_action()
+        samples = self.updater.samples_for(action, self.buffer, self.body_version) if action != SKIP else []
+        if not samples:
+            action = SKIP
+        snapshot, seconds = None, 0.0
+        if action != SKIP:
+            self.drafter.remember_loaded_weights()
+            snapshot = {n: p.detach().clone() for n, p in self._named(action)}
+            sync(self.drafter.device)
+            start = time.perf_counter()
+            self.report.loss = self.updater.update(action, samples)
+            sync(self.drafter.device)
+            seconds = time.perf_counter() - start
+            if action == FULL:
+                self.body_version += 1  # stored states of earlier samples no longer match the body
+        reference = sum(self.recent_tau) / len(self.recent_tau)
+        self.pending = _Pending(action, seconds, reference, snapshot)
+        self.report.action, self.report.update_time_s = action, seconds
+        return self.report
+
+    def choose_action(self) -> str:
+        """The policy's action for now: fixed for "always" / "head_only", the bandit's for "full" / "bandit"."""
+        if self.policy in FIXED_ACTION:
+            return FIXED_ACTION[self.policy]
+        if self.policy not in self.bandits:
+            self.bandits[self.policy] = CostAwareBandit(POLICY_ARMS[self.policy])
+        return self.bandits[self.policy].choose()
+
+    # ---------------------------------------------------------------------------------------------------------
+    def _score_pending(self, new_tokens: int, decode_seconds: float, tau: float) -> None:
+        pending, self.pending = self.pending, None
+        bandit = self.bandits.get(self.policy)
+        if bandit is not None and pending.action in bandit.arms:
+            bandit.record(pending.action, new_tokens, decode_seconds, pending.update_seconds)
+        if pending.snapshot is not None and tau < (1 - ROLLBACK_TOLERANCE) * pending.reference_tau:
+            self.rollback(pending)
+
+    @torch.no_grad()
+    def rollback(self, pending: _Pending) -> None:
+        """Put back the parameters from before `pending`'s update and drop the optimizer moments."""
+        for name, param in self._named(pending.action):
+            param.copy_(pending.snapshot[name])
+        self.updater.reset()
+        if pending.action == FULL:
+            self.body_version += 1  # states captured since then came from the rolled-back body
+        self.report.rolled_back = True
+        self.recent_tau.clear()  # a fresh reference for the restored drafter
+
+    def _named(self, action: str) -> list[tuple[str, torch.nn.Parameter]]:
+        wanted = {id(p) for p in trainable_parameters(self.drafter, action)}
+        return [(n, p) for n, p in self.drafter.named_parameters() if id(p) in wanted]
+
+
+def online_adapter_for(drafter: TreeDraftModel) -> OnlineAdapter:
+    """The drafter's online adaptation state (created on first use, kept on the drafter so it carries over between
+    `generate` calls; `drafter.reset_adaptation()` drops it and restores the loaded weights)."""
+    if not any(p.numel() for p in drafter.parameters()):
+        raise ValueError(
+            f"{type(drafter).__name__} has no weights to adapt: set online_adaptation='off' (free candidates already "
+            "learn their scores while serving)."
+        )
+    if drafter.__dict__.get("_target_embedding") is None:
+        raise ValueError(
+            f"online_adaptation={drafter.config.online_adaptation!r} needs a drafter bound to its target (the update "
+            "reads the target's input embedding): call drafter.bind_target(target) first (generate() does it)."
+        )
+    if "_online_adaptation" not in drafter.__dict__:
+        drafter.__dict__["_online_adaptation"] = OnlineAdapter(drafter)
+    return drafter.__dict__["_online_adaptation"]

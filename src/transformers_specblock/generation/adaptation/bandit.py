@@ -1,0 +1,60 @@
+"""The cost-aware bandit choosing, after each `generate` call, whether and how to update the drafter.
+
+Arms: "skip", "head_only", "full". The reward of the arm taken after call t is measured, not modelled: the
+throughput of call t+1 with the update's own time charged to it, tokens_{t+1} / (decode_seconds_{t+1} +
+update_seconds_t), divided by a running throughput scale so that rewards of different prompts and domains are
+comparable (about 1). An update arm therefore wins only while what it buys in the next call's speed exceeds what
+it costs; when the drafter has caught up (or an update is too slow for the device) "skip" wins.
+
+Choice: discounted UCB (Garivier & Moulines 2011): every arm's reward sum and count decay by `discount` per call,
+so the estimates follow a stream whose domain shifts; untried arms first (update arms before "skip").
+"""
+
+from __future__ import annotations
+
+import math
+
+SKIP = "skip"
+
+
+class CostAwareBandit:
+    """Discounted UCB over `arms` with throughput-net-of-update-time rewards (see the module docstring)."""
+
+    def __init__(
+        self, arms: tuple[str, ...], discount: float = 0.9, exploration: float = 0.15, scale_decay: float = 0.8
+    ) -> None:
+        self.arms = arms
+        self.discount = discount
+        self.exploration = exploration
+        self.scale_decay = scale_decay
+        self.counts = dict.fromkeys(arms, 0.0)  # discounted number of pulls
+        self.sums = dict.fromkeys(arms, 0.0)  # discounted reward sums
+        self.scale: float | None = None  # running throughput (tokens/s) without update time
+
+    def choose(self) -> str:
+        """The arm to take now: an untried one first, else the highest upper confidence bound."""
+        untried = [arm for arm in self.arms if self.counts[arm] == 0.0]
+        if untried:
+            return untried[0]
+        total = sum(self.counts.values())
+        bounds = {
+            arm: self.sums[arm] / self.counts[arm]
+            + self.exploration * math.sqrt(max(math.log(total), 0.0) / self.counts[arm])
+            for arm in self.arms
+        }
+        return max(self.arms, key=lambda arm: bounds[arm])
+
+    def mean(self, arm: str) -> float:
+        return self.sums[arm] / self.counts[arm] if self.counts[arm] else float("nan")
+
+    def record(self, arm: str, tokens: int, decode_seconds: float, update_seconds: float) -> float:
+        """The next call's measurement for `arm` (taken before it); returns the reward."""
+        throughput = tokens / max(decode_seconds, 1e-9)
+        self.scale = throughput if self.scale is None else self.scale_decay * self.scale + (1 - self.scale_decay) * throughput
+        reward = tokens / max(decode_seconds + update_seconds, 1e-9) / max(self.scale, 1e-9)
+        for name in self.arms:
+            self.counts[name] *= self.discount
+            self.sums[name] *= self.discount
+        self.counts[arm] += 1.0
+        self.sums[arm] += reward
+        return reward
