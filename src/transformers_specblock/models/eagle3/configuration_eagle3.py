@@ -23,6 +23,12 @@ class Eagle3Config(TreeDrafterConfig):
             is at most `tree_depth + 1` levels deep.
         ttt_steps: Training-time-test unroll length (EAGLE-3: 7).
         ttt_decay: Weight decay per unroll step of the training loss (step s weighs `ttt_decay ** s`).
+        own_token_embedding: The drafter holds its own token embedding `embed_tokens` [vocab_size, hidden_size]
+            instead of reading the target's (published checkpoints that saved one; see `convert_eagle3`).
+        norm_before_residual: The attention block's residual is the NORMED hidden (vLLM / speculators option).
+        fc_norm: RMSNorm each of the three target features before `fc` (SpecForge option, weights `fc_norm.{0,1,2}`).
+        norm_output: Logits read the final RMSNorm of the output (default); False = `lm_head` on the raw output
+            (SpecForge option).
     """
 
     model_type = "eagle3_drafter"
@@ -36,13 +42,26 @@ class Eagle3Config(TreeDrafterConfig):
         tree_budget: int | str = 59,
         ttt_steps: int = 7,
         ttt_decay: float = 0.8,
+        own_token_embedding: bool = False,
+        norm_before_residual: bool = False,
+        fc_norm: bool = False,
+        norm_output: bool = True,
         **kwargs: Any,
     ) -> None:
+        self.own_token_embedding = own_token_embedding
+        self.norm_before_residual = norm_before_residual
+        self.fc_norm = fc_norm
+        self.norm_output = norm_output
         self.tree_top_k = tree_top_k
         self.tree_depth = tree_depth
         self.ttt_steps = ttt_steps
         self.ttt_decay = ttt_decay
         super().__init__(num_hidden_layers=num_hidden_layers, tree_budget=tree_budget, **kwargs)
+
+    @property
+    def token_embedding_size(self) -> int:
+        """Width of the token embedding the layer reads: the drafter's own (H) or the target's (H_target)."""
+        return self.hidden_size if self.own_token_embedding else self.target_hidden_size
 
     def validate_settings(self) -> None:
         """Raise a ValueError naming the first inconsistent setting."""

@@ -32,8 +32,10 @@ from transformers.models.llama.modeling_llama import (
 from transformers.utils import ModelOutput
 
 from ...utils import additive_mask
+from ..tree_drafter.checkpoint_io import PublishedCheckpointMixin
 from ..tree_drafter.modeling_tree_drafter import TreeDraftModel
 from .configuration_eagle3 import Eagle3Config
+from .convert_eagle3 import convert_published_eagle3, detect_eagle3_layout, export_eagle3
 
 __all__ = [
     "Eagle3Attention",
@@ -77,7 +79,7 @@ class Eagle3Attention(LlamaAttention):
 
     def __init__(self, config: Eagle3Config, layer_idx: int = 0) -> None:
         super().__init__(config, layer_idx)
-        in_features = config.target_hidden_size + config.hidden_size
+        in_features = config.token_embedding_size + config.hidden_size
         bias = config.attention_bias
         self.q_proj = nn.Linear(in_features, config.num_attention_heads * self.head_dim, bias=bias)
         self.k_proj = nn.Linear(in_features, config.num_key_value_heads * self.head_dim, bias=bias)
@@ -128,11 +130,12 @@ class Eagle3DecoderLayer(nn.Module):
 
     def __init__(self, config: Eagle3Config, layer_idx: int = 0) -> None:
         super().__init__()
-        self.input_layernorm = LlamaRMSNorm(config.target_hidden_size, eps=config.rms_norm_eps)  # token embedding
+        self.input_layernorm = LlamaRMSNorm(config.token_embedding_size, eps=config.rms_norm_eps)  # token embedding
         self.hidden_norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.self_attn = Eagle3Attention(config, layer_idx)
         self.post_attention_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.mlp = LlamaMLP(config)
+        self.norm_before_residual = config.norm_before_residual
 
     def forward(
         self,
@@ -149,8 +152,9 @@ class Eagle3DecoderLayer(nn.Module):
         `attention_mask` is the additive [P, P] causal mask of step 0; otherwise `attention_mask` is an additive
         [B, 1, P, S] mask over (cached + new) entries and `past_key_values` is updated.
         """
-        residual = hidden
-        attn_input = torch.cat([self.input_layernorm(token_embeds), self.hidden_norm(hidden)], dim=-1)
+        normed_hidden = self.hidden_norm(hidden)
+        residual = normed_hidden if self.norm_before_residual else hidden
+        attn_input = torch.cat([self.input_layernorm(token_embeds), normed_hidden], dim=-1)
         if ttt_kv is not None:
             attn_out = self.self_attn.ttt_forward(attn_input, position_embeddings, attention_mask, ttt_kv)
         else:
@@ -167,8 +171,12 @@ class Eagle3DecoderLayer(nn.Module):
 # ---------------------------------------------------------------------------------------------------------------
 # The drafter
 # ---------------------------------------------------------------------------------------------------------------
-class Eagle3PreTrainedModel(TreeDraftModel):
+class Eagle3PreTrainedModel(PublishedCheckpointMixin, TreeDraftModel):
     config_class = Eagle3Config
+    # published EAGLE-3 layouts (EAGLE, SpecForge / SGLang, vLLM speculators) in and out: see `convert_eagle3`
+    detect_published_layout = staticmethod(detect_eagle3_layout)
+    convert_published = staticmethod(convert_published_eagle3)
+    checkpoint_writers = {"eagle3": export_eagle3}
     config: Eagle3Config
     base_model_prefix = "eagle3"
     supports_gradient_checkpointing = False
@@ -185,6 +193,16 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
     def __init__(self, config: Eagle3Config) -> None:
         super().__init__(config)
         self.fc = nn.Linear(3 * config.target_hidden_size, config.hidden_size, bias=False)
+        # SpecForge's optional per-feature RMSNorm before `fc`
+        self.fc_norm = (
+            nn.ModuleList(LlamaRMSNorm(config.target_hidden_size, eps=config.rms_norm_eps) for _ in range(3))
+            if config.fc_norm
+            else None
+        )
+        # a published checkpoint's own token embedding (frozen, as EAGLE trains it); else the target's is read
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size) if config.own_token_embedding else None
+        if self.embed_tokens is not None:
+            self.embed_tokens.weight.requires_grad_(False)
         self.layer = Eagle3DecoderLayer(config, 0)
         self.norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = LlamaRotaryEmbedding(config)
@@ -196,7 +214,21 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
     # ----------------------------------------------------------------------------------------------------------
     def fuse_features(self, target_hidden_states: torch.Tensor) -> torch.Tensor:
         """[..., 3 * H_target] concatenated target features -> [..., H] fused hidden (`fc`)."""
-        return self.fc(target_hidden_states.to(device=self.device, dtype=self.dtype))
+        features = target_hidden_states.to(device=self.device, dtype=self.dtype)
+        if self.fc_norm is not None:
+            features = torch.cat([norm(part) for norm, part in zip(self.fc_norm, features.chunk(3, dim=-1))], dim=-1)
+        return self.fc(features)
+
+    def embed_target_tokens(self, input_ids: torch.LongTensor) -> torch.Tensor:
+        """Token embeddings: the drafter's own `embed_tokens` when it has one, else the target's."""
+        if self.embed_tokens is None:
+            return super().embed_target_tokens(input_ids)
+        return self.embed_tokens(input_ids.to(self.device))
+
+    def output_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[..., H] pre-norm outputs -> [..., draft_vocab] logits (`lm_head(norm(h))`, or `lm_head(h)` without
+        `norm_output`)."""
+        return self.lm_head(self.norm(hidden) if self.config.norm_output else hidden)
 
     def draft_step(
         self,
@@ -220,7 +252,7 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
         position_embeddings = self.rotary_emb(hidden, position_ids)
         mask = additive_mask(attention_mask.to(hidden.device), hidden.dtype)[:, None]  # [B, 1, P, S]
         out = self.layer(token_embeds, hidden, position_embeddings, mask, past_key_values)
-        logits = self.lm_head(self.norm(out[:, -logits_to_keep:]))
+        logits = self.output_logits(out[:, -logits_to_keep:])
         return Eagle3Output(logits=logits, hidden_states=out, past_key_values=past_key_values)
 
     # ----------------------------------------------------------------------------------------------------------
@@ -289,7 +321,7 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
             position_embeddings = self.rotary_emb(hidden, positions)
             hidden = self.layer(token_embeds[:, token_idx], hidden, position_embeddings, causal, ttt_kv=ttt_kv)
             all_hidden.append(hidden)
-            all_logits.append(self.lm_head(self.norm(hidden)))
+            all_logits.append(self.output_logits(hidden))
 
         output = Eagle3Output(
             logits=all_logits[0],

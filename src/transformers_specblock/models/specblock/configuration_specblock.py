@@ -31,6 +31,11 @@ class SpecBlockConfig(TreeDrafterConfig):
         rank_head_hidden_size: Hidden width of the rank head MLP.
         fusion_identity_init: Initialise the fusion layer's condition part to identity (the token and slot-query
             parts stay random), so the features reach the decoder directly; only a new drafter's weights read it.
+        rank_head_bias: The rank head's two linear layers have biases (the SpecBlock reference's have none).
+        rank_feature_top_k: The rank features' log-probabilities and entropy are normalised over the top this many
+            draft logits (>= 10; 20 in training, also the reference's training code).
+        rank_top1_over_vocab: The top-1 probability feature is normalised over the whole draft vocabulary (default);
+            False = over the top `rank_feature_top_k` logits, as the SpecBlock reference computes it.
     """
 
     model_type = "specblock"
@@ -49,8 +54,14 @@ class SpecBlockConfig(TreeDrafterConfig):
         prefill_chunk_size: int = 256,
         rank_head_hidden_size: int = 256,
         fusion_identity_init: bool = False,
+        rank_head_bias: bool = True,
+        rank_feature_top_k: int = 20,
+        rank_top1_over_vocab: bool = True,
         **kwargs: Any,
     ) -> None:
+        self.rank_head_bias = rank_head_bias
+        self.rank_feature_top_k = rank_feature_top_k
+        self.rank_top1_over_vocab = rank_top1_over_vocab
         self.block_size = block_size
         self.rank_bucket_upper_bounds = list(rank_bucket_upper_bounds)
         self.branch_widths = list(branch_widths)
@@ -91,5 +102,7 @@ class SpecBlockConfig(TreeDrafterConfig):
             raise ValueError(f"max_followups must be >= 1, got {self.max_followups}.")
         if self.prefill_chunk_size < 1:
             raise ValueError(f"prefill_chunk_size must be >= 1, got {self.prefill_chunk_size}.")
+        if not isinstance(self.rank_feature_top_k, int) or self.rank_feature_top_k < 10:
+            raise ValueError(f"rank_feature_top_k must be an int >= 10 (10 log-probabilities are features), got {self.rank_feature_top_k!r}.")
         if self.tree_policy not in ("rank", "fixed"):
             raise ValueError(f"tree_policy must be 'rank' or 'fixed', got {self.tree_policy!r}.")

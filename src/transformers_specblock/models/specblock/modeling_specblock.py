@@ -13,8 +13,10 @@ from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMS
 from transformers.utils import ModelOutput
 
 from ...utils import additive_mask
+from ..tree_drafter.checkpoint_io import PublishedCheckpointMixin
 from ..tree_drafter.modeling_tree_drafter import TreeDraftModel
 from .configuration_specblock import SpecBlockConfig
+from .convert_specblock import convert_published_specblock, detect_specblock_layout, export_specblock_reference
 
 NUM_RANK_FEATURES = 15
 
@@ -63,25 +65,31 @@ class SpecBlockOutput(ModelOutput):
     past_key_values: Cache | None = None
 
 
-def rank_features(logits: torch.Tensor) -> torch.Tensor:
-    """[..., V] draft logits -> [..., 15] rank-head features.
+def rank_features(logits: torch.Tensor, top_k: int = 20, top1_over_vocab: bool = True) -> torch.Tensor:
+    """[..., V] draft logits -> [..., 15] rank-head features, in this order:
 
-    Top-10 log-probs within the top-20, gaps logit1-logit2/3/5, top-1 probability, top-20 entropy.
+    top-10 log-probs within the top-`top_k`, gaps logit1-logit2/3/5, top-1 probability (over the whole draft
+    vocabulary, or within the top-`top_k` when not `top1_over_vocab`, as the SpecBlock reference), top-`top_k` entropy.
     """
     logits = logits.float()
-    k = min(20, logits.shape[-1])
+    k = min(top_k, logits.shape[-1])
     top = logits.topk(k, dim=-1).values
-    if k < 20:  # tiny vocabularies: pad with clearly-worse logits
-        top = torch.cat([top, top[..., -1:].expand(*top.shape[:-1], 20 - k) - 30.0], dim=-1)
+    if k < top_k:  # tiny vocabularies: pad with clearly-worse logits
+        top = torch.cat([top, top[..., -1:].expand(*top.shape[:-1], top_k - k) - 30.0], dim=-1)
     top_logp = top.log_softmax(-1)
     gaps = top[..., :1] - top[..., [1, 2, 4]]
-    top1_prob = (top[..., 0] - logits.logsumexp(-1)).exp().unsqueeze(-1)
+    top1_logp = top[..., 0] - logits.logsumexp(-1) if top1_over_vocab else top_logp[..., 0]
+    top1_prob = top1_logp.exp().unsqueeze(-1)
     entropy = -(top_logp.exp() * top_logp).sum(-1, keepdim=True)
     return torch.cat([top_logp[..., :10], gaps, top1_prob, entropy], dim=-1)
 
 
-class SpecBlockPreTrainedModel(TreeDraftModel):
+class SpecBlockPreTrainedModel(PublishedCheckpointMixin, TreeDraftModel):
     config_class = SpecBlockConfig
+    # the SpecBlock reference layout in and out: see `convert_specblock`
+    detect_published_layout = staticmethod(detect_specblock_layout)
+    convert_published = staticmethod(convert_published_specblock)
+    checkpoint_writers = {"specblock_reference": export_specblock_reference}
     config: SpecBlockConfig
     base_model_prefix = "specblock"
     supports_gradient_checkpointing = False
@@ -128,9 +136,9 @@ class SpecBlockDraftModel(SpecBlockPreTrainedModel):
         self.rotary_emb = LlamaRotaryEmbedding(config)
         self.lm_head = nn.Linear(hidden, config.draft_vocab_size, bias=False)
         self.rank_head = nn.Sequential(
-            nn.Linear(hidden + NUM_RANK_FEATURES, config.rank_head_hidden_size),
+            nn.Linear(hidden + NUM_RANK_FEATURES, config.rank_head_hidden_size, bias=config.rank_head_bias),
             nn.SiLU(),
-            nn.Linear(config.rank_head_hidden_size, config.num_rank_classes),
+            nn.Linear(config.rank_head_hidden_size, config.num_rank_classes, bias=config.rank_head_bias),
         )
         self.post_init()
 
@@ -205,7 +213,8 @@ class SpecBlockDraftModel(SpecBlockPreTrainedModel):
         """Pre-norm slot states [..., H] -> (draft logits [..., Vd], rank logits [..., num_rank_classes])."""
         normed = self.norm(hidden_states)
         logits = self.lm_head(normed)
-        features = rank_features(logits.detach()).to(normed.dtype)
+        config = self.config
+        features = rank_features(logits.detach(), config.rank_feature_top_k, config.rank_top1_over_vocab).to(normed.dtype)
         return logits, self.rank_head(torch.cat([normed.detach(), features], dim=-1))
 
     def forward(

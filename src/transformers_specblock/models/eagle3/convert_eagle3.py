@@ -1,0 +1,202 @@
+"""Published EAGLE-3 checkpoint layouts in and out of `Eagle3DraftModel`.
+
+Read (detected from `config.json`, weights in `model.safetensors` or `pytorch_model.bin`):
+
+* ``"eagle"``: SafeAILab EAGLE (eagle/model/cnets.py): `architectures` ``["LlamaForCausalLM"]``, one layer,
+  `draft_vocab_size`; head_dim = hidden_size // heads (EAGLE ignores a config `head_dim`).
+* ``"specforge"``: SpecForge / SGLang ``LlamaForCausalLMEagle3`` (also vLLM's ``Eagle3LlamaForCausalLM``); head_dim
+  from the config when present; optional `fc_norm`, `norm_output`.
+* ``"speculators"``: vLLM speculators (`speculators_model_type` "eagle3", a nested `transformer_layer_config`,
+  top-level `norm_before_residual`, `target_hidden_size`, `eagle_aux_hidden_state_layer_ids`).
+
+Keys: `fc.weight`, `midlayer.*` (or `layers.0.*`), `norm.weight`, `lm_head.weight`, `d2t` (offsets), `t2d`, an
+optional `embed_tokens.weight` (then it is used, as their code does; else the target's) and `fc_norm.{0,1,2}.weight`.
+Write: the SpecForge layout (``LlamaForCausalLMEagle3``), which SGLang and vLLM both load, with both engines'
+layer-id fields.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+from transformers import PretrainedConfig
+
+from ..tree_drafter.checkpoint_io import (
+    PublishedCheckpoint,
+    check_state_dict,
+    draft_vocab_from_offsets,
+    expected_shapes,
+    hf_layer_ids_from,
+    layer_id_fields,
+    offsets_from_draft_vocab,
+    rope_fields,
+    rope_parameters_from,
+    write_checkpoint,
+)
+from ..tree_drafter.configuration_tree_drafter import default_target_layer_ids
+from .configuration_eagle3 import Eagle3Config
+
+LAYOUTS = ("eagle", "specforge", "speculators")
+SPECFORGE_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
+EXPORT_ARCHITECTURE = "LlamaForCausalLMEagle3"
+
+
+def detect_eagle3_layout(config: dict[str, Any]) -> str | None:
+    """Which published EAGLE-3 layout a `config.json` describes (None: not one of them)."""
+    if config.get("speculators_model_type") == "eagle3":
+        return "speculators"
+    architecture = (config.get("architectures") or [None])[0]
+    if config.get("model_type") != "llama" or "draft_vocab_size" not in config:
+        return None
+    if architecture in SPECFORGE_ARCHITECTURES:
+        return "specforge"
+    if architecture == "LlamaForCausalLM":
+        return "eagle"
+    return None
+
+
+def _flatten(config: dict[str, Any]) -> dict[str, Any]:
+    """A speculators config's decoder settings lifted to the top level (the EAGLE-3 fields stay)."""
+    layer = dict(config.get("transformer_layer_config") or {})
+    extra = ("draft_vocab_size", "target_hidden_size", "norm_before_residual", "eagle_aux_hidden_state_layer_ids")
+    layer.update({name: config[name] for name in extra if config.get(name) is not None})
+    return layer
+
+
+def eagle3_config_from(
+    config: dict[str, Any], layout: str, target_config: PretrainedConfig, has_embedding: bool, source: str, **overrides: Any
+) -> Eagle3Config:
+    """Our `Eagle3Config` for a published EAGLE-3 `config.json` and the target it drafts for."""
+    if layout == "speculators":
+        config = _flatten(config)
+    text = target_config.get_text_config()
+    hidden, heads = config["hidden_size"], config["num_attention_heads"]
+    if config.get("num_hidden_layers", 1) != 1:
+        raise ValueError(f"{source}: num_hidden_layers={config['num_hidden_layers']}; only one-layer EAGLE-3 drafters load.")
+    if not (config.get("eagle_config") or {}).get("use_aux_hidden_state", True):
+        raise ValueError(f"{source}: eagle_config.use_aux_hidden_state is false (no fused target features); not EAGLE-3.")
+    target_hidden = config.get("target_hidden_size") or hidden
+    for name, theirs, target in (("vocab_size", config["vocab_size"], text.vocab_size), ("target_hidden_size", target_hidden, text.hidden_size)):
+        if theirs != target:
+            raise ValueError(
+                f"{source}: the checkpoint's {name} is {theirs}, the target's is {target}: it was trained for another "
+                "target model."
+            )
+    if target_hidden != hidden and not has_embedding:
+        raise ValueError(
+            f"{source}: target_hidden_size={target_hidden} differs from hidden_size={hidden}, so the drafter needs its "
+            "own token embedding, and the checkpoint has no 'embed_tokens.weight'."
+        )
+    head_dim = hidden // heads if layout == "eagle" else (config.get("head_dim") or hidden // heads)
+    layer_ids = hf_layer_ids_from(config, source) or default_target_layer_ids(text.num_hidden_layers)
+    settings = dict(
+        vocab_size=config["vocab_size"],
+        hidden_size=hidden,
+        target_hidden_size=target_hidden,
+        target_num_hidden_layers=text.num_hidden_layers,
+        target_layer_ids=layer_ids,
+        target_model_type=text.model_type,
+        num_attention_heads=heads,
+        num_key_value_heads=config.get("num_key_value_heads") or heads,
+        head_dim=head_dim,
+        intermediate_size=config["intermediate_size"],
+        hidden_act=config.get("hidden_act", "silu"),
+        rms_norm_eps=config.get("rms_norm_eps", 1e-6),
+        rope_parameters=rope_parameters_from(config, source),
+        max_position_embeddings=config.get("max_position_embeddings", 2048),
+        attention_bias=bool(config.get("attention_bias", False)),
+        mlp_bias=bool(config.get("mlp_bias", False)),
+        draft_vocab_size=config.get("draft_vocab_size") or config["vocab_size"],
+        own_token_embedding=has_embedding,
+        norm_before_residual=bool(config.get("norm_before_residual", False)),
+        fc_norm=bool(config.get("fc_norm", False)),
+        norm_output=bool(config.get("norm_output", True)),
+        pad_token_id=text.pad_token_id,
+        bos_token_id=text.bos_token_id,
+        eos_token_id=text.eos_token_id,
+    )
+    settings.update(overrides)
+    return Eagle3Config(**settings)
+
+
+def eagle3_state_dict_from(
+    state_dict: dict[str, torch.Tensor], config: Eagle3Config, expected: dict[str, tuple[int, ...]], source: str, layout: str
+) -> dict[str, torch.Tensor]:
+    """Published EAGLE-3 keys -> ours (`midlayer.` / `layers.0.` -> `layer.`, offsets -> target ids), strictly:
+    every key must be known and every shape must fit `expected` (our names -> shapes)."""
+    renamed: dict[str, torch.Tensor] = {}
+    for key, tensor in state_dict.items():
+        if key.endswith("rotary_emb.inv_freq"):  # recomputed from the config (not a trained weight)
+            continue
+        for prefix in ("midlayer.", "layers.0."):
+            if key.startswith(prefix):
+                key = "layer." + key[len(prefix) :]
+        renamed[key] = tensor
+    d2t, t2d = renamed.pop("d2t", None), renamed.pop("t2d", None)
+    check_state_dict(renamed, {k: v for k, v in expected.items() if k not in ("d2t", "t2d")}, source, f"EAGLE-3 ({layout})")
+    renamed["d2t"], renamed["t2d"] = draft_vocab_from_offsets(d2t, t2d, config.vocab_size, config.draft_vocab_size, source)
+    return renamed
+
+
+def convert_published_eagle3(
+    model_class: type, checkpoint: PublishedCheckpoint, target_config: PretrainedConfig, overrides: dict[str, Any]
+) -> tuple[Eagle3Config, dict[str, torch.Tensor]]:
+    """(our config, our state dict) for a published EAGLE-3 checkpoint (`PublishedCheckpointMixin.convert_published`)."""
+    has_embedding = "embed_tokens.weight" in checkpoint.state_dict
+    source, layout = checkpoint.source, checkpoint.layout
+    ours = eagle3_config_from(checkpoint.config, layout, target_config, has_embedding, source, **overrides)
+    expected = expected_shapes(model_class, ours)
+    return ours, eagle3_state_dict_from(checkpoint.state_dict, ours, expected, source, layout)
+
+
+def export_eagle3(drafter: Any, folder: str | os.PathLike) -> None:
+    """Write `drafter` (an `Eagle3DraftModel`) in the SpecForge / SGLang layout, loadable by SGLang and vLLM."""
+    config: Eagle3Config = drafter.config
+    problems = []
+    if config.fc_norm:
+        problems.append("fc_norm is on (SGLang and vLLM have no fc_norm and would skip its weights)")
+    if not config.norm_output:
+        problems.append("norm_output is off (SGLang and vLLM always normalise the output before lm_head)")
+    if config.token_embedding_size != config.hidden_size:
+        problems.append(
+            f"the target's embedding is {config.target_hidden_size} wide, not hidden_size={config.hidden_size} "
+            "(EAGLE-3 engines feed an embedding of the drafter's width)"
+        )
+    if problems:
+        raise ValueError(f"This EAGLE-3 drafter cannot be exported in the EAGLE-3 layout: {'; '.join(problems)}.")
+    state = {}
+    for key, tensor in drafter.state_dict().items():
+        if key in ("d2t", "t2d"):
+            continue
+        state["midlayer." + key[len("layer.") :] if key.startswith("layer.") else key] = tensor
+    state["d2t"], state["t2d"] = offsets_from_draft_vocab(drafter.d2t), drafter.t2d.bool().cpu()
+    out = {
+        "architectures": [EXPORT_ARCHITECTURE],
+        "model_type": "llama",
+        "hidden_size": config.hidden_size,
+        "intermediate_size": config.intermediate_size,
+        "num_attention_heads": config.num_attention_heads,
+        "num_key_value_heads": config.num_key_value_heads,
+        "head_dim": config.head_dim,
+        "num_hidden_layers": 1,
+        "hidden_act": config.hidden_act,
+        "rms_norm_eps": config.rms_norm_eps,
+        "max_position_embeddings": config.max_position_embeddings,
+        "attention_bias": config.attention_bias,
+        "mlp_bias": config.mlp_bias,
+        "vocab_size": config.vocab_size,
+        "draft_vocab_size": config.draft_vocab_size,
+        "norm_before_residual": config.norm_before_residual,
+        "tie_word_embeddings": False,
+        "torch_dtype": str(drafter.dtype).removeprefix("torch."),
+        "bos_token_id": config.bos_token_id,
+        "eos_token_id": config.eos_token_id,
+        "pad_token_id": config.pad_token_id,
+        **rope_fields(config.rope_parameters),
+        **layer_id_fields(config.target_layer_ids),
+    }
+    if config.target_hidden_size != config.hidden_size:  # EAGLE reads its presence as "do not load the target's embedding"
+        out["target_hidden_size"] = config.target_hidden_size
+    write_checkpoint(folder, out, state)
