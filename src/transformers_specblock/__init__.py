@@ -26,6 +26,8 @@ from .generation import (
 )
 from .hub import load_model, load_packaged_model, load_prompts
 from .models import (
+    DFlashConfig,
+    DFlashDraftModel,
     Eagle3Config,
     Eagle3DraftModel,
     Eagle3Output,
@@ -42,7 +44,8 @@ CUSTOM_GENERATE_DIR = os.path.dirname(os.path.abspath(__file__))
 """Folder to pass as `generate(custom_generate=...)` (it holds `custom_generate/generate.py`)."""
 
 for _config, _model in (
-    (SpecBlockConfig, SpecBlockDraftModel), (Eagle3Config, Eagle3DraftModel), (LookupTreeConfig, LookupTreeModel)
+    (SpecBlockConfig, SpecBlockDraftModel), (Eagle3Config, Eagle3DraftModel), (LookupTreeConfig, LookupTreeModel),
+    (DFlashConfig, DFlashDraftModel),
 ):
     AutoConfig.register(_config.model_type, _config, exist_ok=True)
     AutoModel.register(_config, _model, exist_ok=True)
@@ -50,6 +53,8 @@ install()
 
 __all__ = [
     "CUSTOM_GENERATE_DIR",
+    "DFlashConfig",
+    "DFlashDraftModel",
     "DraftTree",
     "Eagle3CandidateGenerator",
     "Eagle3Config",

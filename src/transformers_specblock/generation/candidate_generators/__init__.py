@@ -7,6 +7,7 @@ from typing import Any
 
 from ...models.tree_drafter.modeling_tree_drafter import TreeDraftModel
 from .base import DraftingStats, TreeCandidateGenerator
+from .dflash import DFlashCandidateGenerator
 from .eagle3 import Eagle3CandidateGenerator
 from .lookup_tree import LookupTreeCandidateGenerator
 from .specblock import SpecBlockCandidateGenerator
@@ -15,6 +16,7 @@ CANDIDATE_GENERATOR_MAPPING: dict[str, type[TreeCandidateGenerator]] = {
     "specblock": SpecBlockCandidateGenerator,
     "eagle3_drafter": Eagle3CandidateGenerator,
     "lookup_tree": LookupTreeCandidateGenerator,
+    "dflash_drafter": DFlashCandidateGenerator,
 }
 
 
@@ -32,6 +34,7 @@ def get_candidate_generator(drafter: TreeDraftModel, **overrides: Any) -> TreeCa
 
 __all__ = [
     "CANDIDATE_GENERATOR_MAPPING",
+    "DFlashCandidateGenerator",
     "DraftingStats",
     "Eagle3CandidateGenerator",
     "LookupTreeCandidateGenerator",

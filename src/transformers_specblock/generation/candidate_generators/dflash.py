@@ -1,0 +1,113 @@
+"""Draft with a DFlash drafter: one block forward, then a best-first tree over its per-position candidates
+(DDTree, Ringel & Romano 2026), verified by the target in one forward."""
+
+from __future__ import annotations
+
+import heapq
+import time
+
+import torch
+from transformers import DynamicCache
+
+from ...models.dflash.modeling_dflash import DFlashDraftModel
+from ..cache_utils import truncate_cache
+from ..tree import DraftTree
+from .base import TreeCandidateGenerator
+
+
+def best_first_tree(
+    root_token: int, log_probs: torch.Tensor, token_ids: torch.LongTensor, budget: int, device: torch.device
+) -> DraftTree:
+    """The `budget` best nodes of the tree whose depth-d children are the candidates of block position d.
+
+    log_probs / token_ids: [D, K] per-position candidates sorted by descending log-probability. A node's score is
+    the sum of its path's log-probabilities; nodes are taken best first from a heap that holds, for every taken
+    node, its best child and its next sibling. So the result is the top-`budget` subtree by path score, every node
+    after its parent, siblings distinct (ties go to the node pushed first).
+    """
+    depth, top_k = log_probs.shape
+    lp, ids = log_probs.tolist(), token_ids.tolist()
+    tokens, parents, depths, scores = [root_token], [-1], [0], [0.0]
+    heap = [(-lp[0][0], 0, 0, 1, 0)]  # (-score, push order, parent node, depth, rank at that depth)
+    pushed = 1
+    while heap and len(tokens) <= budget:
+        neg_score, _, parent, level, rank = heapq.heappop(heap)
+        node = len(tokens)
+        tokens.append(ids[level - 1][rank])
+        parents.append(parent)
+        depths.append(level)
+        scores.append(-neg_score)
+        if rank + 1 < top_k:  # next sibling: the parent's score plus the next candidate of this position
+            heapq.heappush(heap, (-(scores[parent] + lp[level - 1][rank + 1]), pushed, parent, level, rank + 1))
+            pushed += 1
+        if level < depth:  # best child: this node's score plus the best candidate of the next position
+            heapq.heappush(heap, (-(scores[node] + lp[level][0]), pushed, node, level + 1, 0))
+            pushed += 1
+    return DraftTree(
+        tokens=torch.tensor(tokens, dtype=torch.long, device=device),
+        parents=torch.tensor(parents, dtype=torch.long, device=device),
+        depths=torch.tensor(depths, dtype=torch.long, device=device),
+        scores=torch.tensor(scores, dtype=torch.float32, device=device),
+    )
+
+
+class DFlashCandidateGenerator(TreeCandidateGenerator):
+    """Drafts a DDTree-style tree from one DFlash block forward per iteration.
+
+    `observe` only keeps the newly committed positions' target features; `grow_tree` runs ONE drafter forward over
+    them (their keys / values join the drafter cache for good) and the block [root, mask, ..., mask] at rotary
+    positions root .. root + block_size - 1 (its entries are cropped afterwards), takes the `top_k` candidates of
+    every masked position from the target's `lm_head` and builds the best-first tree of `tree_budget` nodes.
+    The block is drafted once, without seeing the tree: every node at depth d draws on position d's candidates.
+    """
+
+    def __init__(self, drafter: DFlashDraftModel, tree_budget: int | None = None, top_k: int | None = None) -> None:
+        super().__init__(drafter, tree_budget)
+        config = drafter.config
+        self.top_k = top_k if top_k is not None else config.tree_top_k
+        self.depth = config.block_size - 1
+        if self.top_k < 1 or self.tree_budget < 1:
+            raise ValueError(f"Need top_k >= 1 and tree_budget >= 1, got {self.top_k} and {self.tree_budget}.")
+        if self.tree_budget > config.max_tree_size:
+            raise ValueError(
+                f"tree_budget={self.tree_budget} exceeds the {config.max_tree_size} nodes a DFlash block of "
+                f"{config.block_size} with top_k={config.tree_top_k} can hold: raise block_size or tree_top_k, or "
+                "lower tree_budget."
+            )
+        self.cache = DynamicCache()
+        self.pending: list[torch.Tensor] = []  # context features not read by the drafter yet, [P, L * H_target] each
+        self.pending_first_position = 0
+
+    def observe(self, target_features: torch.Tensor, next_tokens: torch.LongTensor, first_position: int) -> None:
+        """Keep the features f_i of newly committed positions i = first_position - 1 ..; the next block reads them."""
+        if not self.pending:
+            self.pending_first_position = first_position - 1
+        self.pending.append(target_features)
+
+    def grow_tree(self, root_token: int) -> DraftTree:
+        """One block forward from the last committed token, then the best-first tree (`draft_tree` prunes)."""
+        start = time.perf_counter()
+        drafter, device = self.drafter, self.drafter.device
+        cached = self.cache.get_seq_length()
+        context = torch.cat(self.pending) if self.pending else torch.zeros(0, drafter.fc.in_features, device=device)
+        if self.pending and self.pending_first_position != cached:
+            raise RuntimeError(
+                f"DFlash context positions are out of step: the drafter cache holds {cached} positions, the new "
+                f"context starts at {self.pending_first_position}."
+            )
+        self.pending.clear()
+        root_position = cached + context.shape[0]
+        positions = torch.arange(cached, root_position + drafter.config.block_size, device=device)
+        out = drafter(
+            noise_embeds=drafter.embed_block(torch.tensor([root_token], device=device)),
+            context_hidden_states=context[None],
+            position_ids=positions[None],
+            past_key_values=self.cache,
+        )
+        truncate_cache(self.cache, root_position)  # keep the context, drop the block
+        log_probs = drafter.draft_logits(out.last_hidden_state[0, 1:]).float().log_softmax(-1)  # [D, V]
+        top_lp, top_ids = log_probs.topk(min(self.top_k, log_probs.shape[-1]), dim=-1)
+        tree = best_first_tree(root_token, top_lp, top_ids, self.tree_budget, device)
+        self.stats.blocks_per_iteration.append(1)
+        self._account(start)
+        return tree
