@@ -126,16 +126,20 @@ def eagle3_state_dict_from(
 ) -> dict[str, torch.Tensor]:
     """Published EAGLE-3 keys -> ours (`midlayer.` / `layers.0.` -> `layer.`, offsets -> target ids), strictly:
     every key must be known and every shape must fit `expected` (our names -> shapes)."""
+    layer_prefix = "layers.0." if any(key.startswith("layers.0.") for key in state_dict) else "midlayer."
     renamed: dict[str, torch.Tensor] = {}
     for key, tensor in state_dict.items():
         if key.endswith("rotary_emb.inv_freq"):  # recomputed from the config (not a trained weight)
             continue
-        for prefix in ("midlayer.", "layers.0."):
-            if key.startswith(prefix):
-                key = "layer." + key[len(prefix) :]
-        renamed[key] = tensor
+        renamed["layer." + key[len(layer_prefix) :] if key.startswith(layer_prefix) else key] = tensor
     d2t, t2d = renamed.pop("d2t", None), renamed.pop("t2d", None)
-    check_state_dict(renamed, {k: v for k, v in expected.items() if k not in ("d2t", "t2d")}, source, f"EAGLE-3 ({layout})")
+    check_state_dict(
+        renamed,
+        {k: v for k, v in expected.items() if k not in ("d2t", "t2d")},
+        source,
+        f"EAGLE-3 ({layout})",
+        lambda key: layer_prefix + key[len("layer.") :] if key.startswith("layer.") else key,
+    )
     renamed["d2t"], renamed["t2d"] = draft_vocab_from_offsets(d2t, t2d, config.vocab_size, config.draft_vocab_size, source)
     return renamed
 

@@ -156,11 +156,19 @@ def convert_published_specblock(
                 key = new + key[len(prefix) :]
         renamed[key] = tensor
     expected = {k: v for k, v in expected_shapes(model_class, ours).items() if k not in ("d2t", "t2d")}
-    check_state_dict(renamed, expected, source, "SpecBlock reference")
+    check_state_dict(renamed, expected, source, "SpecBlock reference", _reference_name)
     if ours.draft_vocab_size == ours.vocab_size:  # the harness maps draft ids 1:1 then, whatever the buffers hold
         d2t, t2d = None, None
     renamed["d2t"], renamed["t2d"] = draft_vocab_from_offsets(d2t, t2d, ours.vocab_size, ours.draft_vocab_size, source)
     return ours, renamed
+
+
+def _reference_name(key: str) -> str:
+    """Our key -> the reference's."""
+    for old, new in RENAMES.items():
+        if key.startswith(new):
+            return old + key[len(new) :]
+    return key
 
 
 def export_specblock_reference(drafter: Any, folder: str | os.PathLike) -> None:
@@ -190,15 +198,11 @@ def export_specblock_reference(drafter: Any, folder: str | os.PathLike) -> None:
         problems.append(f"its RoPE type {config.rope_parameters['rope_type']!r} (the reference applies only llama3)")
     if problems:
         raise ValueError(f"This SpecBlock drafter cannot be exported in the reference layout: {'; '.join(problems)}.")
-    inverse = {new: old for old, new in RENAMES.items()}
-    out_state = {}
-    for key, tensor in state.items():
-        if key in ("d2t", "t2d") or key.endswith(".bias") and key.startswith("rank_head."):
-            continue
-        for prefix, old in inverse.items():
-            if key.startswith(prefix):
-                key = old + key[len(prefix) :]
-        out_state[key] = tensor
+    out_state = {
+        _reference_name(key): tensor
+        for key, tensor in state.items()
+        if key not in ("d2t", "t2d") and not (key.startswith("rank_head.") and key.endswith(".bias"))
+    }
     mapping = {"d2t": offsets_from_draft_vocab(drafter.d2t), "t2d": drafter.t2d.bool().cpu()}
     out_state.update(mapping)
     out = {

@@ -85,12 +85,17 @@ def read_state_dict(path_or_id: str | os.PathLike, hub_kwargs: Mapping[str, Any]
 
 
 def check_state_dict(
-    state_dict: Mapping[str, torch.Tensor], expected: Mapping[str, tuple[int, ...]], source: str, layout: str
+    state_dict: Mapping[str, torch.Tensor],
+    expected: Mapping[str, tuple[int, ...]],
+    source: str,
+    layout: str,
+    their_name: Callable[[str], str] = str,
 ) -> None:
     """Raise a ValueError naming the first missing key, unexpected key or wrong shape (strict loading: a drafter
-    with a misnamed or misshapen weight would run and accept nothing)."""
-    missing = [key for key in expected if key not in state_dict]
-    unexpected = [key for key in state_dict if key not in expected]
+    with a misnamed or misshapen weight would run and accept nothing). Keys are ours; `their_name` gives the name
+    the checkpoint uses, for the messages."""
+    missing = [their_name(key) for key in expected if key not in state_dict]
+    unexpected = [their_name(key) for key in state_dict if key not in expected]
     if missing:
         raise ValueError(
             f"{source}: key {missing[0]!r} is missing ({len(missing)} missing in all: {missing[:8]}) for the {layout} "
@@ -105,7 +110,7 @@ def check_state_dict(
     for key, shape in expected.items():
         if tuple(state_dict[key].shape) != tuple(shape):
             raise ValueError(
-                f"{source}: key {key!r} has shape {list(state_dict[key].shape)}, but the config (and the target) "
+                f"{source}: key {their_name(key)!r} has shape {list(state_dict[key].shape)}, but the config (and the target) "
                 f"need {list(shape)}. The checkpoint was built for another target or its config.json is wrong."
             )
 

@@ -1,0 +1,415 @@
+"""Published checkpoint layouts in and out (issue 14): EAGLE-3 as EAGLE (SafeAILab), SpecForge / SGLang and vLLM
+speculators write it, and the SpecBlock reference layout.
+
+Each synthetic checkpoint is written here the way that tool writes it (its key names, config fields, file format),
+independently of `convert_*`; the loaded drafter must hold the same weights and compute the same logits as the
+drafter loaded natively, decode like plain greedy, compute what the tool's own forward computes (re-implemented below
+from their published code, on THEIR key names), and survive export -> re-import bit for bit. Every malformed
+checkpoint is a ValueError naming what is wrong.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from transformers import LlamaConfig
+
+from transformers_specblock import Eagle3DraftModel, SpecBlockDraftModel
+from transformers_specblock.commands.convert import main as convert_main
+from transformers_specblock.hub import load_packaged_model
+
+from conftest import make_drafter, make_target
+
+EAGLE3_LAYOUTS = ("eagle", "specforge", "speculators")
+LAYOUTS = (*EAGLE3_LAYOUTS, "specblock_reference")
+SMOLLM2 = dict(  # SmolLM2-135M's sizes (the packaged target `smollm2-135m-instruct`)
+    vocab_size=49152, hidden_size=576, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+    intermediate_size=1536, rope_theta=100000.0, rms_norm_eps=1e-5, tie_word_embeddings=True,
+)  # fmt: skip
+
+
+# ------------------------------------------------------------------------------------------------------ fixtures
+def randomize(drafter, seed: int = 0, draft_vocab: int | None = None):
+    """Random norm weights (so norm placement matters) and a random sorted draft vocabulary, as EAGLE builds it."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in drafter.named_parameters():
+            if "norm" in name:
+                param.copy_(torch.rand(param.shape, generator=generator) + 0.5)
+        vocab, size = drafter.config.vocab_size, drafter.config.draft_vocab_size
+        ids = torch.randperm(vocab, generator=generator)[:size].sort().values
+        drafter.d2t.copy_(ids)
+        drafter.t2d.zero_()
+        drafter.t2d[ids] = True
+    return drafter.eval()
+
+
+def native_drafter(layout: str, target, **overrides):
+    """A random drafter of the kind `layout` holds, with a reduced draft vocabulary."""
+    overrides.setdefault("draft_vocab_size", target.config.vocab_size * 3 // 4)
+    if layout == "specblock_reference":  # the reference's rank head: no biases, features within the top 20
+        drafter = make_drafter(target, rank_head_bias=False, rank_top1_over_vocab=False, **overrides)
+    else:
+        torch.manual_seed(7)
+        drafter = Eagle3DraftModel.from_target(target, tree_budget=8, **overrides)
+    return randomize(drafter)
+
+
+def llama_fields(config) -> dict:
+    return {
+        "model_type": "llama", "hidden_size": config.hidden_size, "intermediate_size": config.intermediate_size,
+        "num_attention_heads": config.num_attention_heads, "num_key_value_heads": config.num_key_value_heads,
+        "hidden_act": "silu", "rms_norm_eps": config.rms_norm_eps, "vocab_size": config.vocab_size,
+        "max_position_embeddings": 2048, "tie_word_embeddings": False, "torch_dtype": "float32",
+    }  # fmt: skip
+
+
+def write_published(folder, drafter, layout: str) -> None:
+    """Write `drafter` as the tool behind `layout` writes its checkpoints (names, fields and files of that tool)."""
+    os.makedirs(folder, exist_ok=True)
+    config, ours = drafter.config, drafter.state_dict()
+    offsets = drafter.d2t - torch.arange(config.draft_vocab_size)
+    fields = llama_fields(config)
+    theta = config.rope_parameters["rope_theta"]
+    if layout == "specblock_reference":
+        renames = {
+            "condition_proj.": "input_layer.condition_proj.", "condition_norm.": "input_layer.condition_norm.",
+            "token_norm.": "input_layer.token_norm.", "slot_queries.": "input_layer.position_queries.",
+            "query_norm.": "input_layer.query_norm.", "fusion.": "input_layer.fuse.", "layer_shifts.": "shift_proj.",
+        }  # fmt: skip
+        state = {}
+        for key, tensor in ours.items():
+            for old, new in renames.items():
+                key = new + key[len(old) :] if key.startswith(old) else key
+            state[key] = tensor.clone()
+        state["d2t"], state["t2d"] = offsets, drafter.t2d.clone()
+        fields.update(
+            architectures=["LlamaForCausalLMSpecBlock"], num_hidden_layers=config.num_hidden_layers,
+            draft_vocab_size=config.draft_vocab_size, diffspec_draft_token_num=config.block_size, rank_classes=4,
+            num_ttt_blocks=config.max_blocks, rope_theta=theta, rope_scaling=None,
+        )  # fmt: skip
+        save_file(state, os.path.join(folder, "model.safetensors"))  # their save_pretrained: "embed" keys dropped
+        torch.save({"d2t": offsets, "t2d": drafter.t2d.clone()}, os.path.join(folder, "vocab_mapping.pt"))
+    else:
+        prefix = "layers.0." if layout == "speculators" else "midlayer."
+        state = {(prefix + k[len("layer.") :] if k.startswith("layer.") else k): v.clone() for k, v in ours.items()}
+        state["d2t"] = offsets
+        fields.update(num_hidden_layers=1, draft_vocab_size=config.draft_vocab_size)
+        ids = config.target_layer_ids
+        if layout == "eagle":  # eagle/traineagle3/config.json: no head_dim, no layer ids; pytorch_model.bin
+            fields.update(architectures=["LlamaForCausalLM"], head_dim=999)  # a head_dim EAGLE's code ignores
+            if theta != 10000.0:
+                fields["rope_theta"] = theta
+            torch.save(state, os.path.join(folder, "pytorch_model.bin"))
+        elif layout == "specforge":  # SGLang's output-of-layer ids; safetensors without embeddings
+            fields.update(
+                architectures=["LlamaForCausalLMEagle3"], head_dim=config.head_dim, rope_theta=theta,
+                eagle_config={"eagle_aux_hidden_state_layer_ids": [i - 1 for i in ids]},
+            )  # fmt: skip
+            if config.fc_norm or not config.norm_output:  # newer SpecForge configs
+                fields.update(fc_norm=config.fc_norm, norm_output=config.norm_output)
+            save_file(state, os.path.join(folder, "model.safetensors"))
+        else:  # vLLM speculators: nested decoder config, top-level input-of-layer ids, layers.0.*
+            layer_config = {**fields, "head_dim": config.head_dim, "rope_theta": theta}
+            for name in ("draft_vocab_size",):
+                layer_config.pop(name)
+            fields = {
+                "architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3",
+                "transformer_layer_config": layer_config, "draft_vocab_size": config.draft_vocab_size,
+                "norm_before_residual": config.norm_before_residual, "eagle_aux_hidden_state_layer_ids": list(ids),
+                "speculators_config": {"algorithm": "eagle3", "verifier": {"name_or_path": "target"}},
+            }  # fmt: skip
+            save_file(state, os.path.join(folder, "model.safetensors"))
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(fields, f)
+
+
+def drafter_class(layout: str):
+    return SpecBlockDraftModel if layout == "specblock_reference" else Eagle3DraftModel
+
+
+def draft_logits(drafter, target, seed: int = 0) -> tuple[torch.Tensor, ...]:
+    """The drafter's outputs on random target features for 6 positions (block 1 for SpecBlock, one step for EAGLE-3)."""
+    generator = torch.Generator().manual_seed(seed)
+    config = drafter.config
+    features = torch.randn(1, 6, 3 * config.target_hidden_size, generator=generator)
+    tokens = torch.randint(0, config.vocab_size, (1, 6), generator=generator)
+    drafter.bind_target(target, place=False)
+    with torch.no_grad():
+        if isinstance(drafter, SpecBlockDraftModel):
+            out = drafter(tokens, features)
+            return out.logits, out.rank_logits, out.hidden_states
+        positions = torch.arange(1, 7)[None]
+        mask = torch.ones(6, 6, dtype=torch.bool).tril()[None]
+        out = drafter.draft_step(drafter.fuse_features(features), tokens, positions, mask)
+        return out.logits, out.hidden_states
+
+
+@pytest.fixture(scope="module")
+def target():
+    return make_target("llama")
+
+
+def assert_same_weights(a, b) -> None:
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa.keys() == sb.keys()
+    for key in sa:
+        assert sa[key].dtype == sb[key].dtype and torch.equal(sa[key], sb[key]), key
+
+
+# ------------------------------------------------------------------------------------------------ loading
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_published_layout_loads_to_the_same_drafter(layout, target, tmp_path, one_thread):
+    native = native_drafter(layout, target)
+    write_published(tmp_path, native, layout)
+    loaded = drafter_class(layout).from_pretrained(tmp_path, target=target)
+    assert_same_weights(native, loaded)
+    assert loaded.config.target_layer_ids == native.config.target_layer_ids
+    for ours, theirs in zip(draft_logits(native, target), draft_logits(loaded, target)):
+        assert torch.equal(ours, theirs)
+    prompt = torch.tensor([[0, 5, 9, 17, 33, 2, 5, 9]])
+    plain = target.generate(prompt, do_sample=False, max_new_tokens=20)
+    with loaded.tree_settings(tree_budget=8):
+        tree = target.generate(prompt, assistant_model=loaded, do_sample=False, max_new_tokens=20)
+    assert torch.equal(plain, tree)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_smollm2_sized_checkpoints_load_bit_exact(layout, tmp_path, one_thread):
+    target_config = LlamaConfig(**SMOLLM2)  # sizes only: loading needs no target weights
+    config_cls = drafter_class(layout).config_class
+    overrides = dict(draft_vocab_size=8192)
+    if layout == "specblock_reference":
+        overrides.update(rank_head_bias=False, rank_top1_over_vocab=False)
+    torch.manual_seed(3)
+    native = randomize(drafter_class(layout)(config_cls.from_target_config(target_config, **overrides)))
+    write_published(tmp_path, native, layout)
+    loaded = drafter_class(layout).from_pretrained(tmp_path, target_config=target_config)
+    assert_same_weights(native, loaded)
+    assert loaded.config.head_dim == 64 and loaded.config.target_layer_ids == [2, 15, 27]
+
+
+def test_layer_id_conventions(target, tmp_path):
+    """SGLang's output-of-layer ids (+1) and vLLM's input-of-layer ids both read as HF hidden_states indices; the
+    export writes both consistently; disagreeing fields are refused."""
+    native = native_drafter("eagle", target, target_layer_ids=[1, 3, 4])
+    native.save_pretrained(tmp_path / "out", checkpoint_format="eagle3")
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 2, 3]  # SGLang: output of layer
+    assert config["eagle_aux_hidden_state_layer_ids"] == [1, 3, 4]  # vLLM: input of layer = HF index
+    for fields in ({"eagle_config": {"eagle_aux_hidden_state_layer_ids": [0, 2, 3]}}, {"eagle_aux_hidden_state_layer_ids": [1, 3, 4]}):
+        config.pop("eagle_config"), config.pop("eagle_aux_hidden_state_layer_ids", None)
+        config.update(fields)
+        (tmp_path / "out" / "config.json").write_text(json.dumps(config))
+        assert Eagle3DraftModel.from_pretrained(tmp_path / "out", target=target).config.target_layer_ids == [1, 3, 4]
+    config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": [1, 3, 4]}  # = HF [2, 4, 5]: disagrees
+    (tmp_path / "out" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="name different layers"):
+        Eagle3DraftModel.from_pretrained(tmp_path / "out", target=target)
+    default = native_drafter("eagle", target)
+    write_published(tmp_path / "eagle", default, "eagle")  # EAGLE names none: inputs of layers 2, L//2, L-3
+    assert Eagle3DraftModel.from_pretrained(tmp_path / "eagle", target=target).config.target_layer_ids == [2, 3, 3]
+
+
+def test_head_dim_rules(tmp_path):
+    """EAGLE's code uses hidden // heads whatever the config says; SpecForge uses the config's head_dim."""
+    target = make_target("llama", head_dim=32)  # 4 heads x 32 != hidden 64
+    specforge = native_drafter("specforge", target)
+    assert specforge.config.head_dim == 32
+    write_published(tmp_path / "sf", specforge, "specforge")
+    assert Eagle3DraftModel.from_pretrained(tmp_path / "sf", target=target).config.head_dim == 32
+    write_published(tmp_path / "eagle", specforge, "eagle")  # EAGLE would build q_proj [4 * 16, 128]: the shapes refuse
+    with pytest.raises(ValueError, match=r"'midlayer.self_attn.q_proj.weight' has shape \[128, 128\].*\[64, 128\]"):
+        Eagle3DraftModel.from_pretrained(tmp_path / "eagle", target=target)
+
+
+# ---------------------------------------------------------------------------- their forward, from their code
+def rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    x32 = x.float()
+    return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def attention(x, state, prefix, config, positions, visible) -> torch.Tensor:
+    """Llama attention as the published drafters write it: q/k/v, rotate-half RoPE at `positions`, GQA, softmax in
+    float32 over the keys `visible` [N, N] allows, o_proj."""
+    heads, kv_heads, dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+    q = (x @ state[prefix + "q_proj.weight"].T).view(-1, heads, dim).transpose(0, 1)
+    k = (x @ state[prefix + "k_proj.weight"].T).view(-1, kv_heads, dim).transpose(0, 1)
+    v = (x @ state[prefix + "v_proj.weight"].T).view(-1, kv_heads, dim).transpose(0, 1)
+    inv_freq = 1.0 / (config.rope_parameters["rope_theta"] ** (torch.arange(0, dim, 2).float() / dim))
+    angles = torch.cat([positions[:, None].float() * inv_freq] * 2, dim=-1)
+    cos, sin = angles.cos(), angles.sin()
+
+    def rotate(t: torch.Tensor) -> torch.Tensor:
+        return t * cos + torch.cat([-t[..., dim // 2 :], t[..., : dim // 2]], dim=-1) * sin
+
+    q, k = rotate(q), rotate(k)
+    k, v = k.repeat_interleave(heads // kv_heads, 0), v.repeat_interleave(heads // kv_heads, 0)
+    scores = (q @ k.transpose(1, 2)) / dim**0.5 + torch.where(visible, 0.0, float("-inf"))
+    out = scores.softmax(-1, dtype=torch.float32) @ v
+    return out.transpose(0, 1).reshape(x.shape[0], -1) @ state[prefix + "o_proj.weight"].T
+
+
+def mlp(x, state, prefix) -> torch.Tensor:
+    gate, up = x @ state[prefix + "gate_proj.weight"].T, x @ state[prefix + "up_proj.weight"].T
+    return (F.silu(gate) * up) @ state[prefix + "down_proj.weight"].T
+
+
+def eagle3_reference_logits(state, config, features, token_embeds) -> torch.Tensor:
+    """One EAGLE-3 step over P positions (eagle/model/cnets.py LlamaDecoderLayeremb + Model; SpecForge's fc_norm and
+    norm_output; vLLM's norm_before_residual), on the checkpoint's own key names."""
+    eps, p = config.rms_norm_eps, ("layers.0." if "layers.0.fc" in state or "layers.0.hidden_norm.weight" in state else "midlayer.")
+    if "embed_tokens.weight" in state:
+        token_embeds = state["embed_tokens.weight"][token_embeds.argmax(-1)] if token_embeds.dtype == torch.long else token_embeds
+    if "fc_norm.0.weight" in state:
+        features = torch.cat([rms(c, state[f"fc_norm.{i}.weight"], eps) for i, c in enumerate(features.chunk(3, -1))], -1)
+    hidden = features @ state["fc.weight"].T
+    normed = rms(hidden, state[p + "hidden_norm.weight"], eps)
+    residual = normed if config.norm_before_residual else hidden
+    x = torch.cat([rms(token_embeds, state[p + "input_layernorm.weight"], eps), normed], dim=-1)
+    num = x.shape[0]
+    positions = torch.arange(num)  # EAGLE counts drafter positions from 0; RoPE is relative
+    h = residual + attention(x, state, p + "self_attn.", config, positions, torch.ones(num, num, dtype=torch.bool).tril())
+    h = h + mlp(rms(h, state[p + "post_attention_layernorm.weight"], eps), state, p + "mlp.")
+    return (rms(h, state["norm.weight"], eps) if config.norm_output else h) @ state["lm_head.weight"].T
+
+
+def specblock_reference_outputs(state, config, features, token_embeds) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block 1 for P positions (specforge/modeling/draft/_llama3_specblock_base.py forward_parallel with
+    llama3_specblock.py's shift), on the reference key names: (logits [P, K, Vd], rank logits [P, K, 4])."""
+    eps, hidden, k_slots = config.rms_norm_eps, config.hidden_size, config.block_size
+    num = features.shape[0]
+    cond = rms(features @ state["input_layer.condition_proj.weight"].T, state["input_layer.condition_norm.weight"], eps)
+    tok = rms(token_embeds, state["input_layer.token_norm.weight"], eps)
+    query = rms(state["input_layer.position_queries.weight"], state["input_layer.query_norm.weight"], eps)
+    w = state["input_layer.fuse.weight"]
+    h = (cond @ w[:, :hidden].T + tok @ w[:, hidden : 2 * hidden].T)[:, None] + query @ w[:, 2 * hidden :].T
+    pos, slot = torch.arange(num).repeat_interleave(k_slots), torch.arange(k_slots).repeat(num)
+    visible = (pos[None] < pos[:, None]) | ((pos[None] == pos[:, None]) & (slot[None] <= slot[:, None]))
+    h = h.reshape(num * k_slots, hidden)
+    for i in range(config.num_hidden_layers):
+        if i > 0:
+            slots = h.view(num, k_slots, hidden)
+            shifted = torch.cat([slots[:, :1], slots[:, :-1]], dim=1).reshape(-1, hidden)
+            w = state[f"shift_proj.{i - 1}.weight"]
+            h = h @ w[:, :hidden].T + shifted @ w[:, hidden:].T
+        p = f"layers.{i}."
+        h = h + attention(rms(h, state[p + "input_layernorm.weight"], eps), state, p + "self_attn.", config, pos + 1 + slot, visible)
+        h = h + mlp(rms(h, state[p + "post_attention_layernorm.weight"], eps), state, p + "mlp.")
+    normed = rms(h, state["norm.weight"], eps)
+    logits = normed @ state["lm_head.weight"].T
+    top20 = logits.topk(20, dim=-1).values.float()
+    lse = top20.logsumexp(-1, keepdim=True)
+    top10_lp = top20[:, :10] - lse
+    gaps = top20[:, :1] - top20[:, [1, 2, 4]]
+    top20_lp = top20 - lse
+    entropy = -(top20_lp.exp() * top20_lp).nan_to_num(0.0).sum(-1, keepdim=True)
+    features = torch.cat([top10_lp, gaps, top10_lp[:, :1].exp(), entropy], dim=-1).to(normed.dtype)
+    rank = F.silu(torch.cat([normed, features], -1) @ state["rank_head.0.weight"].T) @ state["rank_head.2.weight"].T
+    return logits.view(num, k_slots, -1), rank.view(num, k_slots, -1)
+
+
+def read_published_state(folder) -> dict[str, torch.Tensor]:
+    path = os.path.join(folder, "model.safetensors")
+    return load_file(path) if os.path.exists(path) else torch.load(os.path.join(folder, "pytorch_model.bin"))
+
+
+EAGLE3_VARIANTS = {  # layout -> the options that tool's checkpoints may carry
+    "eagle": dict(own_token_embedding=True),  # EAGLE saved its (frozen) embedding
+    "specforge": dict(fc_norm=True, norm_output=False),
+    "speculators": dict(norm_before_residual=True),
+}
+
+
+@pytest.mark.parametrize("layout", EAGLE3_LAYOUTS)
+@pytest.mark.parametrize("variant", [False, True])
+def test_loaded_eagle3_computes_what_their_code_computes(layout, variant, target, tmp_path, one_thread):
+    native = native_drafter(layout, target, **(EAGLE3_VARIANTS[layout] if variant else {}))
+    write_published(tmp_path, native, layout)
+    loaded = Eagle3DraftModel.from_pretrained(tmp_path, target=target)
+    for option in EAGLE3_VARIANTS[layout]:
+        assert getattr(loaded.config, option) == getattr(native.config, option)
+    generator = torch.Generator().manual_seed(1)
+    features = torch.randn(1, 6, 3 * 64, generator=generator)
+    tokens = torch.randint(0, 128, (1, 6), generator=generator)
+    with torch.no_grad():
+        ours = loaded.draft_step(
+            loaded.fuse_features(features), tokens, torch.arange(1, 7)[None], torch.ones(6, 6, dtype=torch.bool).tril()[None]
+        ).logits[0]
+        embeds = target.get_input_embeddings()(tokens)[0]
+        state = read_published_state(tmp_path)
+        if "embed_tokens.weight" in state:
+            embeds = state["embed_tokens.weight"][tokens[0]]
+        theirs = eagle3_reference_logits(state, loaded.config, features[0], embeds)
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+
+
+def test_loaded_specblock_computes_what_the_reference_computes(target, tmp_path, one_thread):
+    native = native_drafter("specblock_reference", target)
+    write_published(tmp_path, native, "specblock_reference")
+    loaded = SpecBlockDraftModel.from_pretrained(tmp_path, target=target)
+    assert (loaded.config.rank_head_bias, loaded.config.rank_top1_over_vocab, loaded.config.rank_feature_top_k) == (False, False, 20)
+    generator = torch.Generator().manual_seed(2)
+    features = torch.randn(1, 5, 3 * 64, generator=generator)
+    tokens = torch.randint(0, 128, (1, 5), generator=generator)
+    with torch.no_grad():
+        out = loaded(tokens, features)
+        embeds = target.get_input_embeddings()(tokens)[0]
+        logits, rank_logits = specblock_reference_outputs(read_published_state(tmp_path), loaded.config, features[0], embeds)
+    torch.testing.assert_close(out.logits[0], logits, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out.rank_logits[0], rank_logits, rtol=1e-5, atol=1e-5)
+    default = make_drafter(target)  # our own rank features differ from the reference's (top-1 over the vocabulary)
+    assert default.config.rank_top1_over_vocab and default.rank_head[0].bias is not None
+
+
+# ------------------------------------------------------------------------------------------------ export
+@pytest.mark.parametrize("fmt", ["eagle3", "specblock_reference"])
+def test_export_reimport_round_trip_is_bit_exact(fmt, target, tmp_path, one_thread):
+    native = native_drafter("eagle" if fmt == "eagle3" else "specblock_reference", target)
+    native.save_pretrained(tmp_path / "a", checkpoint_format=fmt)
+    loaded = type(native).from_pretrained(tmp_path / "a", target=target)
+    assert_same_weights(native, loaded)
+    for ours, theirs in zip(draft_logits(native, target), draft_logits(loaded, target)):
+        assert torch.equal(ours, theirs)
+    loaded.save_pretrained(tmp_path / "b", checkpoint_format=fmt)
+    assert (tmp_path / "a" / "config.json").read_text() == (tmp_path / "b" / "config.json").read_text()
+    first, second = load_file(tmp_path / "a" / "model.safetensors"), load_file(tmp_path / "b" / "model.safetensors")
+    assert first.keys() == second.keys() and all(torch.equal(first[k], second[k]) for k in first)
+    assert not any("embed" in key for key in first)  # both tools share the target's embedding
+    if fmt == "specblock_reference":
+        mapping = torch.load(tmp_path / "a" / "vocab_mapping.pt", weights_only=True)
+        assert torch.equal(mapping["d2t"] + torch.arange(len(mapping["d2t"])), native.d2t)
+    else:
+        config = json.loads((tmp_path / "a" / "config.json").read_text())
+        assert config["architectures"] == ["LlamaForCausalLMEagle3"] and "target_hidden_size" not in config
+        assert set(first) >= {"fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d"}  # SpecForge's to_sglang
+        assert torch.equal(first["d2t"] + torch.arange(len(first["d2t"])), native.d2t)  # offsets
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_published_checkpoint_re_exports(layout, target, tmp_path, one_thread):
+    """published -> ours -> published -> ours keeps every weight."""
+    native = native_drafter(layout, target)
+    write_published(tmp_path / "in", native, layout)
+    loaded = drafter_class(layout).from_pretrained(tmp_path / "in", target=target)
+    fmt = "specblock_reference" if layout == "specblock_reference" else "eagle3"
+    loaded.save_pretrained(tmp_path / "out", checkpoint_format=fmt)
+    assert_same_weights(native, drafter_class(layout).from_pretrained(tmp_path / "out", target=target))
+
+
+def test_export_refuses_what_the_other_tool_would_compute_differently(target, tmp_path):
+    trained_here = make_drafter(target)
+    with torch.no_grad():
+        trained_here.rank_head[0].bias.fill_(0.1)
+    with pytest.raises(ValueError, match="rank head has biases.*rank features differ"):
+        trained_here.save_pretrained(tmp_path / "s", checkpoint_format="specblock_reference")
+    with pytest.raises(ValueError, match="fc_norm is on"):
+        native_drafter("specforge", target, fc_norm=True).save_pretrained(tmp_path / "e", checkpoint_format="eagle3")
+    with pytest.raises(ValueError, match="checkpoint_format='gguf' is not one Eagle3DraftModel writes"):
+        native_drafter("eagle", target).save_pretrained(tmp_path / "g", checkpoint_format="gguf")
+    assert not any(p.exists() for p in (tmp_path / "s", tmp_path / "e", tmp_path / "g"))
