@@ -413,3 +413,130 @@ def test_export_refuses_what_the_other_tool_would_compute_differently(target, tm
     with pytest.raises(ValueError, match="checkpoint_format='gguf' is not one Eagle3DraftModel writes"):
         native_drafter("eagle", target).save_pretrained(tmp_path / "g", checkpoint_format="gguf")
     assert not any(p.exists() for p in (tmp_path / "s", tmp_path / "e", tmp_path / "g"))
+
+
+# ------------------------------------------------------------------------------------------------ malformed
+class NotATensor:
+    """Any object in a pickle: `torch.load(weights_only=True)` refuses it (unpickling could run code)."""
+
+
+def rewrite_weights(folder, change) -> None:
+    """Apply `change(state)` to a published folder's weights, in the file format it has."""
+    path = os.path.join(folder, "model.safetensors")
+    if os.path.exists(path):
+        state = load_file(path)
+        change(state)
+        save_file(state, path)
+    else:
+        path = os.path.join(folder, "pytorch_model.bin")
+        state = torch.load(path)
+        change(state)
+        torch.save(state, path)
+
+
+def rewrite_config(folder, change) -> None:
+    path = os.path.join(folder, "config.json")
+    config = json.loads(open(path).read())
+    change(config)
+    open(path, "w").write(json.dumps(config))
+
+
+MALFORMED = {  # name -> (layout, change of weights or None, change of config or None, message)
+    "missing key": ("eagle", lambda s: s.pop("midlayer.mlp.down_proj.weight"), None,
+                    "key 'midlayer.mlp.down_proj.weight' is missing"),
+    "unexpected key": ("specforge", lambda s: s.update({"midlayer.extra.weight": torch.ones(3)}), None,
+                       "unexpected key 'midlayer.extra.weight'"),
+    "wrong shape": ("speculators", lambda s: s.update({"fc.weight": s["fc.weight"][:, :-1].contiguous()}), None,
+                    r"key 'fc.weight' has shape \[64, 191\].*need \[64, 192\]"),
+    "reference missing shift": ("specblock_reference", lambda s: s.pop("shift_proj.0.weight"), None,
+                                "key 'shift_proj.0.weight' is missing"),
+    "reference rank bias": ("specblock_reference", lambda s: s.update({"rank_head.0.bias": torch.zeros(256)}), None,
+                            "unexpected key 'rank_head.0.bias'"),
+    "d2t absolute ids": ("specforge", lambda s: s.update({"d2t": s["d2t"] + torch.arange(96)}), None,
+                         "holds absolute target ids instead"),
+    "d2t outside vocabulary": ("eagle", lambda s: (s.pop("t2d", None), s.update({"d2t": s["d2t"] + 200})), None,
+                               "maps draft ids outside the target vocabulary"),
+    "d2t missing": ("specforge", lambda s: s.pop("d2t"), None, "key 'd2t' is missing"),
+    "pickle with objects": ("eagle", lambda s: s.update({"extra": NotATensor()}), None,
+                            "holds objects other than tensors"),
+    "draft vocab larger than the target's": ("specforge", None, lambda c: c.update(draft_vocab_size=200),
+                                             "draft_vocab_size must be in"),
+    "another target": ("eagle", None, lambda c: c.update(vocab_size=256), "vocab_size is 256, the target's is 128"),
+    "two layers": ("speculators", None, lambda c: c["transformer_layer_config"].update(num_hidden_layers=2),
+                   "only one-layer EAGLE-3 drafters load"),
+    "rope yarn": ("specforge", None, lambda c: c.update(rope_scaling={"rope_type": "yarn", "factor": 4.0}),
+                  "RoPE scaling 'yarn' is not supported"),
+    "rank classes": ("specblock_reference", None, lambda c: c.update(rank_classes=5), "rank_classes=5"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", MALFORMED)
+def test_malformed_checkpoints_are_refused_clearly(name, target, tmp_path):
+    layout, weights, config, message = MALFORMED[name]
+    write_published(tmp_path, native_drafter(layout, target), layout)
+    if weights is not None:
+        rewrite_weights(tmp_path, weights)
+    if config is not None:
+        rewrite_config(tmp_path, config)
+    with pytest.raises(ValueError, match=message):
+        drafter_class(layout).from_pretrained(tmp_path, target=target)
+
+
+def test_reference_vocab_mapping_is_read_safely_and_must_agree(target, tmp_path):
+    native = native_drafter("specblock_reference", target)
+    write_published(tmp_path, native, "specblock_reference")
+    offsets = native.d2t - torch.arange(96)
+    torch.save({"d2t": offsets.flip(0), "t2d": native.t2d.clone()}, tmp_path / "vocab_mapping.pt")
+    with pytest.raises(ValueError, match="key 'd2t' differs from 'd2t' in vocab_mapping.pt"):
+        SpecBlockDraftModel.from_pretrained(tmp_path, target=target)
+    torch.save({"d2t": offsets, "t2d": native.t2d.clone(), "note": NotATensor()}, tmp_path / "vocab_mapping.pt")
+    with pytest.raises(ValueError, match="vocab_mapping.pt is a pickle that holds objects other than tensors"):
+        SpecBlockDraftModel.from_pretrained(tmp_path, target=target)
+    rewrite_weights(tmp_path, lambda s: (s.pop("d2t"), s.pop("t2d")))  # the mapping file alone is enough
+    torch.save({"d2t": offsets, "t2d": native.t2d.clone()}, tmp_path / "vocab_mapping.pt")
+    assert torch.equal(SpecBlockDraftModel.from_pretrained(tmp_path, target=target).d2t, native.d2t)
+
+
+def test_a_published_checkpoint_needs_its_target(target, tmp_path):
+    write_published(tmp_path, native_drafter("eagle", target), "eagle")
+    with pytest.raises(ValueError, match="pass `target=<the target model>`"):
+        Eagle3DraftModel.from_pretrained(tmp_path)
+    loaded = Eagle3DraftModel.from_pretrained(tmp_path, target_config=target.config, tree_budget=4, dtype=torch.bfloat16)
+    assert loaded.config.tree_budget == 4 and loaded.dtype == torch.bfloat16  # overrides and dtype apply
+
+
+# ------------------------------------------------------------------------------------------------ command
+def test_specblock_convert_both_directions(target, tmp_path, capsys):
+    native = native_drafter("specforge", target)
+    write_published(tmp_path / "published", native, "specforge")
+    target.save_pretrained(tmp_path / "target")
+    assert convert_main(["--to", "native", str(tmp_path / "published"), str(tmp_path / "ours")]) == 2
+    assert "--to native needs --target" in capsys.readouterr().err
+    argv = ["--to", "native", "--target", str(tmp_path / "target"), str(tmp_path / "published"), str(tmp_path / "ours")]
+    assert convert_main(argv) == 0
+    ours = Eagle3DraftModel.from_pretrained(tmp_path / "ours")  # this package's layout: no target needed
+    assert json.loads((tmp_path / "ours" / "config.json").read_text())["model_type"] == "eagle3_drafter"
+    assert_same_weights(native, ours)
+    assert convert_main(["--to", "eagle3", str(tmp_path / "ours"), str(tmp_path / "back")]) == 0
+    assert_same_weights(native, Eagle3DraftModel.from_pretrained(tmp_path / "back", target=target))
+    assert convert_main(["--to", "specblock_reference", str(tmp_path / "ours"), str(tmp_path / "x")]) == 2
+    assert "exports to ['eagle3'], not 'specblock_reference'" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------------------ real target
+@pytest.mark.slow
+def test_published_layouts_on_the_packaged_smollm2(tmp_path, one_thread):
+    """Synthetic checkpoints at SmolLM2-135M's sizes, loaded for the real packaged target: same logits as the native
+    drafter, and generate() with them equals plain greedy."""
+    real, tokenizer = load_packaged_model("smollm2-135m-instruct")
+    prompt = tokenizer("The three primary colours are", return_tensors="pt").input_ids
+    plain = real.generate(prompt, do_sample=False, max_new_tokens=16)
+    for layout in LAYOUTS:
+        native = native_drafter(layout, real, draft_vocab_size=8192)
+        write_published(tmp_path / layout, native, layout)
+        loaded = drafter_class(layout).from_pretrained(tmp_path / layout, target=real)
+        assert_same_weights(native, loaded)
+        for ours, theirs in zip(draft_logits(native, real), draft_logits(loaded, real)):
+            assert torch.equal(ours, theirs)
+        with loaded.tree_settings(tree_budget=8):
+            assert torch.equal(real.generate(prompt, assistant_model=loaded, do_sample=False, max_new_tokens=16), plain)
