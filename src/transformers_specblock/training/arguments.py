@@ -58,7 +58,21 @@ class ModelArguments:
         metadata={"help": "Draft vocabulary size (default: the full vocabulary up to 16384 tokens; 16384 for "
                   "vocabularies up to 65536, e.g. SmolLM2's 49152; 32000 above)."},
     )
-    drafter: str = field(default="specblock", metadata={"help": "Drafter to train: 'specblock' or 'eagle3'."})
+    drafter: str = field(
+        default="specblock", metadata={"help": "Drafter to train: 'specblock', 'eagle3' or 'dflash'."}
+    )
+    mask_token_id: int | None = field(
+        default=None,
+        metadata={"help": "DFlash (required for a new drafter): id of a token the target never emits, whose embedding "
+                  "marks the masked block positions (SmolLM2: 16, '<empty_output>')."},
+    )
+    num_anchors: int | None = field(
+        default=None, metadata={"help": "DFlash: blocks (anchor positions) drawn per sequence each step (default 32)."}
+    )
+    loss_decay_gamma: float | None = field(
+        default=None,
+        metadata={"help": "DFlash: block offset k >= 1 weighs exp(-(k-1)/gamma) in the loss (default 7; 0 = no decay)."},
+    )
     drafter_attn_implementation: str = field(
         default=SPARSE_SDPA,
         metadata={

@@ -16,6 +16,8 @@ from transformers.utils import logging
 from ..hub.assets import PACKAGED_MODELS, explain_hub_errors
 from ..hub.loading import load_model
 from ..hub.provenance import describe_hardware, resolve_base_model_id
+from ..models.dflash.configuration_dflash import DFlashConfig
+from ..models.dflash.modeling_dflash import DFlashDraftModel
 from ..models.eagle3.configuration_eagle3 import Eagle3Config
 from ..models.eagle3.modeling_eagle3 import Eagle3DraftModel
 from ..models.specblock.configuration_specblock import SpecBlockConfig
@@ -30,6 +32,7 @@ from .arguments import (
     _parse_layer_ids,
 )
 from .data import SpecBlockDataCollator, describe_training_data, load_conversations, tokenize_conversations
+from .dflash import DFlashDraftModelForTraining, DFlashTrainer, build_dflash_drafter
 from .features import PrecomputedFeatures, precompute_features
 from .modeling import SpecBlockDraftModelForTraining
 from .trainer import SpecBlockTrainer, session_records
@@ -89,12 +92,17 @@ def check_drafter_for_target(
 DRAFTERS = {  # --drafter -> (config class, trainable model class whose forward returns the loss)
     "specblock": (SpecBlockConfig, SpecBlockDraftModelForTraining),
     "eagle3": (Eagle3Config, Eagle3DraftModel),
+    "dflash": (DFlashConfig, DFlashDraftModelForTraining),
 }
 
 
 def _build_drafter(
     model_args: ModelArguments, target: PreTrainedModel, train_set: datasets.Dataset
 ) -> SpecBlockDraftModelForTraining | Eagle3DraftModel:
+    if model_args.drafter == "dflash":  # full vocabulary, DFlash's own layer ids (training/dflash.py)
+        drafter = build_dflash_drafter(model_args, target)
+        drafter.set_attn_implementation(model_args.drafter_attn_implementation)
+        return drafter.float()
     layer_ids = _parse_layer_ids(model_args.target_layer_ids)
     if layer_ids is not None:
         check_layer_ids(layer_ids, target, model_args.target_model)
@@ -235,7 +243,8 @@ def plot_learning_curve(log_history: list[dict[str, Any]], path: str | os.PathLi
 
 def save_drafter(drafter: SpecBlockDraftModel, output_dir: str | os.PathLike, dtype: torch.dtype) -> None:
     """``save_pretrained`` a plain `SpecBlockDraftModel` copy (safetensors, no target embedding) in ``dtype``."""
-    final = (SpecBlockDraftModel if isinstance(drafter, SpecBlockDraftModel) else type(drafter))(drafter.config)
+    plain = next((c for c in (SpecBlockDraftModel, DFlashDraftModel) if isinstance(drafter, c)), type(drafter))
+    final = plain(drafter.config)
     final.load_state_dict(drafter.state_dict())
     final.to(dtype).save_pretrained(output_dir)
 
@@ -287,7 +296,7 @@ def run_training(
                 target,
                 train_set,
                 features_dir,
-                drafter.config.target_layer_ids,
+                drafter.config.feature_layers,
                 dtype=features_dtype,
                 batch_size=data_args.precompute_batch_size,
                 shard_tokens=data_args.features_shard_tokens,
@@ -300,7 +309,7 @@ def run_training(
         train_dataset = train_set
 
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
-    trainer = SpecBlockTrainer(
+    trainer = (DFlashTrainer if model_args.drafter == "dflash" else SpecBlockTrainer)(
         model=drafter,
         args=training_args,
         train_dataset=train_dataset,
