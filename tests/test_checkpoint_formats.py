@@ -410,6 +410,8 @@ def test_export_refuses_what_the_other_tool_would_compute_differently(target, tm
         trained_here.save_pretrained(tmp_path / "s", checkpoint_format="specblock_reference")
     with pytest.raises(ValueError, match="fc_norm is on"):
         native_drafter("specforge", target, fc_norm=True).save_pretrained(tmp_path / "e", checkpoint_format="eagle3")
+    with pytest.raises(ValueError, match="norm_before_residual is on"):
+        native_drafter("speculators", target, norm_before_residual=True).save_pretrained(tmp_path / "e", checkpoint_format="eagle3")
     with pytest.raises(ValueError, match="checkpoint_format='gguf' is not one Eagle3DraftModel writes"):
         native_drafter("eagle", target).save_pretrained(tmp_path / "g", checkpoint_format="gguf")
     assert not any(p.exists() for p in (tmp_path / "s", tmp_path / "e", tmp_path / "g"))

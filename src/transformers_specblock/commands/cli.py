@@ -3,6 +3,8 @@
 * ``specblock-train``: `train_main` (also ``accelerate launch -m transformers_specblock.train ...`` or
   ``torchrun -m transformers_specblock.train ...``).
 * ``specblock-bench``: `bench_main`.
+* ``specblock-convert``: `commands.convert.main` (drafter checkpoints to / from the published EAGLE-3 and SpecBlock
+  reference layouts).
 """
 
 from __future__ import annotations

@@ -161,6 +161,8 @@ def export_eagle3(drafter: Any, folder: str | os.PathLike) -> None:
     problems = []
     if config.fc_norm:
         problems.append("fc_norm is on (SGLang and vLLM have no fc_norm and would skip its weights)")
+    if config.norm_before_residual:
+        problems.append("norm_before_residual is on (vLLM reads it, SGLang ignores it)")
     if not config.norm_output:
         problems.append("norm_output is off (SGLang and vLLM always normalise the output before lm_head)")
     if config.token_embedding_size != config.hidden_size:
@@ -192,7 +194,6 @@ def export_eagle3(drafter: Any, folder: str | os.PathLike) -> None:
         "mlp_bias": config.mlp_bias,
         "vocab_size": config.vocab_size,
         "draft_vocab_size": config.draft_vocab_size,
-        "norm_before_residual": config.norm_before_residual,
         "tie_word_embeddings": False,
         "torch_dtype": str(drafter.dtype).removeprefix("torch."),
         "bos_token_id": config.bos_token_id,
