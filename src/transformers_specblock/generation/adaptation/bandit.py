@@ -50,7 +50,9 @@ class CostAwareBandit:
     def record(self, arm: str, tokens: int, decode_seconds: float, update_seconds: float) -> float:
         """The next call's measurement for `arm` (taken before it); returns the reward."""
         throughput = tokens / max(decode_seconds, 1e-9)
-        self.scale = throughput if self.scale is None else self.scale_decay * self.scale + (1 - self.scale_decay) * throughput
+        if self.scale is None:
+            self.scale = throughput
+        self.scale = self.scale_decay * self.scale + (1 - self.scale_decay) * throughput
         reward = tokens / max(decode_seconds + update_seconds, 1e-9) / max(self.scale, 1e-9)
         for name in self.arms:
             self.counts[name] *= self.discount

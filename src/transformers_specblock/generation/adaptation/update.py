@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers import DynamicCache
 
 from ...models.eagle3.modeling_eagle3 import Eagle3DraftModel
 from ...models.specblock.modeling_specblock import SpecBlockDraftModel, block_causal_mask
@@ -21,8 +22,8 @@ from ...models.tree_drafter.modeling_tree_drafter import TreeDraftModel
 from .signal import SignalSample
 
 HEAD_ONLY, FULL = "head_only", "full"
-HEAD_STEPS, HEAD_BATCH = 8, 256  # Adam steps per output-side update, newest samples per step
-FULL_STEPS, FULL_BATCH = 4, 32  # Adam steps per whole-drafter update, newest replayable samples per step
+HEAD_STEPS, HEAD_BATCH = 4, 64  # Adam steps per output-side update, newest samples per step
+FULL_STEPS, FULL_BATCH = 2, 16  # Adam steps per whole-drafter update, newest replayable samples per step
 
 
 def output_parameters(drafter: TreeDraftModel) -> list[nn.Parameter]:
@@ -68,17 +69,35 @@ def _replay_root_outputs(
     drafter: TreeDraftModel, features: torch.Tensor, tokens: torch.LongTensor, positions: torch.LongTensor
 ) -> torch.Tensor:
     """[G, K, H] (EAGLE-3: K = 1) the last position's output states of G contexts of C positions (features
-    [G, C, 3H], tokens and positions [G, C]), from a fresh drafter pass."""
+    [G, C, 3H], tokens and positions [G, C]) from a fresh drafter pass: the first C-1 positions without gradients
+    into a cache, the last one with (truncated backpropagation: the update does not flow through the context's keys
+    and values, which keeps a whole-drafter update to one position's backward per sample)."""
     batch, num_pos = tokens.shape
     device = drafter.device
     tokens, positions = tokens.to(device), positions.to(device)
+    cache = DynamicCache()
     if isinstance(drafter, SpecBlockDraftModel):
-        mask = block_causal_mask(num_pos, drafter.config.block_size, 0, device)[None].expand(batch, -1, -1)
-        out = drafter.draft_blocks(drafter.project_condition(features), tokens, positions, mask, compute_heads=False)
-        return out.hidden_states[:, -1]
+        k_slots = drafter.config.block_size
+        condition = drafter.project_condition(features)  # [G, C, H]
+        if num_pos > 1:
+            with torch.no_grad():
+                mask = block_causal_mask(num_pos - 1, k_slots, 0, device)[None].expand(batch, -1, -1)
+                drafter.draft_blocks(
+                    condition[:, :-1], tokens[:, :-1], positions[:, :-1], mask, cache, compute_heads=False
+                )
+        mask = block_causal_mask(1, k_slots, (num_pos - 1) * k_slots, device)[None].expand(batch, -1, -1)
+        last = drafter.draft_blocks(
+            condition[:, -1:], tokens[:, -1:], positions[:, -1:], mask, cache, compute_heads=False
+        )
+        return last.hidden_states[:, -1]
     if isinstance(drafter, Eagle3DraftModel):
-        mask = torch.ones(num_pos, num_pos, dtype=torch.bool, device=device).tril()[None].expand(batch, -1, -1)
-        return drafter.draft_step(drafter.fuse_features(features), tokens, positions, mask).hidden_states[:, -1:]
+        fused = drafter.fuse_features(features)  # [G, C, H]
+        if num_pos > 1:
+            with torch.no_grad():
+                mask = torch.ones(num_pos - 1, num_pos - 1, dtype=torch.bool, device=device).tril()
+                drafter.draft_step(fused[:, :-1], tokens[:, :-1], positions[:, :-1], mask.expand(batch, -1, -1), cache)
+        mask = torch.ones(batch, 1, num_pos, dtype=torch.bool, device=device)
+        return drafter.draft_step(fused[:, -1:], tokens[:, -1:], positions[:, -1:], mask, cache).hidden_states
     raise TypeError(f"No replay is defined for {type(drafter).__name__}; use online_adaptation='head_only'.")
 
 

@@ -122,7 +122,7 @@ class TreeDrafterConfig(PretrainedConfig):
         adaptation_learning_rate: float = 1e-4,
         adaptation_buffer_size: int = 256,
         adaptation_top_k: int = 32,
-        adaptation_context: int = 16,
+        adaptation_context: int = 8,
         **kwargs: Any,
     ) -> None:
         kwargs.setdefault("tie_word_embeddings", False)
@@ -182,6 +182,7 @@ class TreeDrafterConfig(PretrainedConfig):
         if not isinstance(interval, int) or isinstance(interval, bool) or interval < 1:
             raise ValueError(f"auto_budget_explore_interval must be an int >= 1, got {interval!r}.")
         self._validate_lookup_settings()
+        self._validate_adaptation_settings()
         self._validate_target_layer_ids()
 
     @property

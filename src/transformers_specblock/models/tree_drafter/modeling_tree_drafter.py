@@ -126,7 +126,7 @@ class TreeDraftModel(PreTrainedModel):
 
     @torch.no_grad()
     def reset_adaptation(self) -> None:
-        """Undo online adaptation: the weights the drafter was loaded with (bit for bit) and a fresh adaptation state."""
+        """Undo online adaptation: the weights the drafter was loaded with (bit for bit), a fresh adaptation state."""
         loaded = self.__dict__.pop("_loaded_weights", None)
         if loaded is not None:
             for name, param in self.named_parameters():

@@ -1,0 +1,302 @@
+"""Online adaptation (`generation.adaptation`): the drafter learns from the verifier while it serves.
+
+Outputs never change (greedy identical to plain generate, sampling keeps the target's distribution, with every
+policy, for SpecBlock and EAGLE-3), the signal is the verified rows along the accepted path, the buffer is bounded,
+each policy acts when it should, a drop in tau rolls an update back, and reset / save restore the loaded weights.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from conftest import make_drafter, make_target
+from test_sampling_lossless import ALPHA, PROMPT, SAMPLING, exact_marginals, fit_pvalues
+from transformers_specblock import Eagle3DraftModel, LookupTreeModel, SpecBlockDraftModel
+from transformers_specblock.generation.adaptation import (
+    FULL,
+    HEAD_ONLY,
+    SKIP,
+    CostAwareBandit,
+    SignalBuffer,
+    collect_signal,
+    online_adapter_for,
+)
+from transformers_specblock.generation.adaptation.signal import target_to_draft_ids
+from transformers_specblock.generation.adaptation.update import DrafterUpdater, adaptation_loss, output_parameters
+from transformers_specblock.generation.tree import DraftTree
+
+POLICIES = ["off", "always", "head_only", "full", "bandit"]
+VOCAB = 24
+
+
+@pytest.fixture(autouse=True)
+def _one_thread(one_thread):
+    yield
+
+
+def _drafter(kind: str, target, **settings):
+    settings.setdefault("tree_budget", 16)
+    if kind == "specblock":
+        return make_drafter(target, tree_policy="fixed", fixed_width=3, max_blocks=2, **settings)
+    torch.manual_seed(1000)
+    return Eagle3DraftModel.from_target(target, tree_top_k=3, tree_depth=4, **settings)
+
+
+def _prompt(seed: int, length: int = 6) -> torch.LongTensor:
+    return torch.randint(1, VOCAB, (1, length), generator=torch.Generator().manual_seed(seed))
+
+
+def _weights(model) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _serve(target, drafter, calls: int, max_new_tokens: int = 24) -> list[str]:
+    """Greedy calls on different prompts, each checked against plain generate; returns the actions taken."""
+    actions = []
+    for seed in range(calls):
+        prompt = _prompt(seed, 5 + seed % 3)
+        reference = target.generate(prompt, do_sample=False, max_new_tokens=max_new_tokens)
+        out = target.generate(prompt, assistant_model=drafter, do_sample=False, max_new_tokens=max_new_tokens)
+        assert out.tolist() == reference.tolist(), f"call {seed}"
+        actions.append(drafter.last_stats.adaptation_action)
+    return actions
+
+
+# ------------------------------------------------------------------------------------------------ exactness
+@pytest.mark.parametrize("kind", ["specblock", "eagle3"])
+@pytest.mark.parametrize("policy", POLICIES)
+def test_greedy_identical_with_every_policy(kind, policy):
+    target = make_target("llama", vocab_size=VOCAB, seed=1)
+    drafter = _drafter(kind, target, online_adaptation=policy)
+    loaded = _weights(drafter)
+    actions = _serve(target, drafter, calls=6)
+    changed = any(not torch.equal(p, loaded[n]) for n, p in drafter.named_parameters())
+    if policy == "off":
+        assert set(actions) == {"off"} and not changed
+    else:
+        assert set(actions) <= {SKIP, HEAD_ONLY, FULL} and set(actions) & {HEAD_ONLY, FULL}
+        assert drafter.last_stats.adaptation_signal > 0
+    if policy in ("always", "head_only"):  # (a cost-aware policy may roll its only update back)
+        assert changed
+    if policy == "always":
+        assert set(actions) == {FULL}
+    if policy == "head_only":
+        assert set(actions) == {HEAD_ONLY}
+    if policy == "full":
+        assert HEAD_ONLY not in actions
+
+
+@pytest.mark.parametrize("policy", POLICIES[1:])
+def test_sampling_keeps_the_target_distribution(policy):
+    """The chi-square check of test_sampling_lossless, with the drafter updated after every call."""
+    target = make_target("llama", vocab_size=8, seed=3, initializer_range=0.08)
+    drafter = make_drafter(
+        target, tree_policy="fixed", fixed_width=3, block_size=3, max_blocks=2, tree_budget=16,
+        online_adaptation=policy, adaptation_learning_rate=1e-2,
+    )  # fmt: skip
+    loaded = _weights(drafter)
+    torch.manual_seed(0)
+    counts, draws = torch.zeros(3, 8), 600
+    for _ in range(draws):
+        out = target.generate(PROMPT, assistant_model=drafter, do_sample=True, max_new_tokens=3, **SAMPLING)
+        counts[torch.arange(3), out[0, PROMPT.shape[1] :]] += 1
+    assert any(not torch.equal(p, loaded[n]) for n, p in drafter.named_parameters())
+    pvalues = fit_pvalues(counts, exact_marginals(target))
+    assert min(pvalues) > ALPHA, f"p-values {pvalues}"
+
+
+# ------------------------------------------------------------------------------------------------ the signal
+def _hand_tree() -> tuple[DraftTree, SimpleNamespace]:
+    """A drafted tree: root -> {5 (best), 7}; 5 -> {9 (best), 4}; 7 has no children. States: s0 produced 5 and 7,
+    s1 produced 9 and 4."""
+    tree = DraftTree.root_only(3)
+    tree.add_nodes(torch.tensor([5, 7]), torch.tensor([0, 0]), torch.tensor([1, 1]), torch.tensor([-0.1, -1.0]))
+    tree.add_nodes(torch.tensor([9, 4]), torch.tensor([1, 1]), torch.tensor([2, 2]), torch.tensor([-0.3, -2.0]))
+    states = torch.arange(4 * 2, dtype=torch.float32).view(4, 2)  # four states of a hidden size 2
+    context = (torch.zeros(3, 6), torch.tensor([1, 2, 3]), torch.tensor([1, 2, 3]))  # ends at the root token 3
+    generator = SimpleNamespace(
+        drafted=tree,
+        producers=[(torch.tensor([1, 2]), states[[0, 0]], torch.tensor([0, 0])), (torch.tensor([3, 4]), states[[1, 1]], None)],
+        context=context,
+    )
+    return tree, generator
+
+
+def test_signal_follows_the_accepted_path_to_the_first_rejected_position():
+    tree, generator = _hand_tree()
+    to_draft = torch.arange(12)
+    logits = torch.randn(len(tree), 12)
+    # accepted 5 then 4 (not the drafter's best), bonus 11: depths 1, 2 and 3; nothing was drafted under 4
+    samples = collect_signal(generator, tree, torch.tensor([1, 4]), torch.tensor([11]), logits, to_draft, 3, 0)
+    assert len(samples) == 2
+    assert [s.wrong for s in samples] == [False, True]
+    assert torch.equal(samples[0].state, torch.tensor([0.0, 1.0])) and torch.equal(samples[1].state, torch.tensor([2.0, 3.0]))
+    for sample, row in zip(samples, [0, 1]):  # the target's top-3 at the row of the path node before
+        probs, ids = logits[row].softmax(-1).topk(3)
+        assert torch.equal(sample.target_ids, ids) and torch.allclose(sample.target_probs, probs)
+    assert (samples[0].slot, samples[1].slot) == (0, -1)  # only the root's own output replays
+    assert samples[0].context is generator.context and samples[1].context is None
+    # nothing accepted, bonus 7: the first rejected position; the drafter's best (5) was wrong
+    (only,) = collect_signal(generator, tree, torch.tensor([], dtype=torch.long), torch.tensor([7]), logits, to_draft, 3, 0)
+    assert only.wrong
+
+
+def test_draft_vocabulary_mapping_marks_missing_ids():
+    mapping = target_to_draft_ids(torch.tensor([4, 0, 7]), 9)
+    assert mapping.tolist() == [1, -1, -1, -1, 0, -1, -1, 2, -1]
+
+
+def test_buffer_is_bounded():
+    target = make_target("llama", vocab_size=VOCAB, seed=1)
+    drafter = _drafter("specblock", target, online_adaptation="head_only", adaptation_buffer_size=10, adaptation_top_k=5)
+    _serve(target, drafter, calls=3)
+    buffer = online_adapter_for(drafter).buffer
+    assert len(buffer) == 10 and drafter.last_stats.adaptation_signal > 10
+    assert all(s.target_ids.shape == (5,) and s.target_probs.shape == (5,) for s in buffer.samples)
+    assert all(s.context is None or s.context[1].shape[0] <= drafter.config.adaptation_context for s in buffer.samples)
+    small = SignalBuffer(2)
+    small.add([1, 2, 3])
+    assert list(small.samples) == [2, 3]
+
+
+# ------------------------------------------------------------------------------------------------ the update
+@pytest.mark.parametrize("kind", ["specblock", "eagle3"])
+def test_updates_learn_and_touch_only_their_weights(kind):
+    target = make_target("llama", vocab_size=VOCAB, seed=2)
+    drafter = _drafter(kind, target, online_adaptation="head_only", adaptation_learning_rate=1e-2)
+    _serve(target, drafter, calls=2)
+    adapter = online_adapter_for(drafter)
+    samples = adapter.buffer.for_head(adapter.body_version, 64)
+    head = {id(p) for p in output_parameters(drafter)}
+    for action in (HEAD_ONLY, FULL):
+        before = _weights(drafter)
+        updater = DrafterUpdater(drafter, 1e-2)
+        states = torch.stack([s.state for s in samples])
+        with torch.no_grad():
+            loss_before = float(adaptation_loss(drafter, samples, states))
+        batch = samples if action == HEAD_ONLY else adapter.buffer.for_replay(16)
+        updater.update(action, batch)
+        for name, param in drafter.named_parameters():
+            moved = not torch.equal(param, before[name])
+            if id(param) in head:
+                assert moved, name
+            elif action == HEAD_ONLY:
+                assert not moved, f"head-only update moved {name}"
+        if action == HEAD_ONLY:
+            with torch.no_grad():
+                assert float(adaptation_loss(drafter, samples, states)) < loss_before
+    assert any(p.grad is not None for p in drafter.parameters()) is False  # no gradients left behind
+
+
+# ------------------------------------------------------------------------------------------------ the policies
+def _bandit_run(arms, net_throughput, calls=60):
+    """Serve `calls` synthetic calls: `net_throughput[arm]` = (tokens/s while decoding, update seconds)."""
+    bandit, taken = CostAwareBandit(arms), []
+    torch.manual_seed(0)
+    for _ in range(calls):
+        arm = bandit.choose()
+        speed, update = net_throughput[arm]
+        decode = 64 / (speed * (1 + 0.05 * float(torch.randn(()))))  # 5% noise per call
+        bandit.record(arm, 64, decode, update)
+        taken.append(arm)
+    return taken
+
+
+def test_bandit_updates_while_the_gain_exceeds_the_cost():
+    # head-only: +20% speed for 0.2 s (of a 3.2 s call); full: +25% for 2 s; skip: nothing
+    taken = _bandit_run((HEAD_ONLY, FULL, SKIP), {SKIP: (20.0, 0.0), HEAD_ONLY: (24.0, 0.2), FULL: (25.0, 2.0)})
+    assert taken[:3] == [HEAD_ONLY, FULL, SKIP]  # every arm measured once, updates first
+    assert taken[-30:].count(HEAD_ONLY) >= 20
+
+
+def test_bandit_skips_when_updates_cost_more_than_they_buy():
+    taken = _bandit_run((HEAD_ONLY, FULL, SKIP), {SKIP: (20.0, 0.0), HEAD_ONLY: (20.5, 0.5), FULL: (21.0, 2.0)})
+    assert taken[-30:].count(SKIP) >= 20
+    taken = _bandit_run((FULL, SKIP), {SKIP: (20.0, 0.0), FULL: (30.0, 0.3)})  # the "full" policy's arms
+    assert taken[-30:].count(FULL) >= 20
+
+
+@pytest.mark.parametrize("policy,first", [("always", FULL), ("head_only", HEAD_ONLY), ("full", FULL), ("bandit", HEAD_ONLY)])
+def test_each_policy_takes_its_action(policy, first):
+    target = make_target("llama", vocab_size=VOCAB, seed=1)
+    drafter = _drafter("specblock", target, online_adaptation=policy)
+    _serve(target, drafter, calls=1)
+    assert drafter.last_stats.adaptation_action == first
+    stats = drafter.last_stats.as_dict()
+    assert stats["adaptation_time_s"] > 0 and stats["adaptation_signal"] >= stats["adaptation_signal_wrong"] > 0
+
+
+def test_no_signal_means_no_update():
+    target = make_target("llama", vocab_size=VOCAB, seed=1)
+    drafter = _drafter("specblock", target, online_adaptation="always")
+    adapter = online_adapter_for(drafter)
+    assert adapter.finish_call(new_tokens=10, decode_seconds=1.0, tau=1.5).action == SKIP
+
+
+def test_rollback_when_tau_drops_after_an_update():
+    target = make_target("llama", vocab_size=VOCAB, seed=1)
+    drafter = _drafter("specblock", target, online_adaptation="head_only", adaptation_learning_rate=1e-2)
+    _serve(target, drafter, calls=1)  # collects a signal and runs one head-only update
+    adapter = online_adapter_for(drafter)
+    before = _weights(drafter)
+    report = adapter.finish_call(new_tokens=20, decode_seconds=1.0, tau=2.0)  # scores the first, runs a second
+    assert report.action == HEAD_ONLY and not report.rolled_back
+    updated = _weights(drafter)
+    assert any(not torch.equal(updated[n], before[n]) for n in before)
+    report = adapter.finish_call(new_tokens=20, decode_seconds=1.0, tau=1.0)  # tau halved: undo the second update
+    assert report.rolled_back
+    # the rollback restored the weights from before the second update, then this call's update ran on them
+    adapter.rollback(adapter.pending)
+    assert all(torch.equal(p, before[n]) for n, p in drafter.named_parameters())
+
+
+# ------------------------------------------------------------------------------------------------ reset, save, errors
+def test_reset_restores_the_loaded_weights_bit_for_bit(tmp_path):
+    target = make_target("llama", vocab_size=VOCAB, seed=1)
+    _drafter("specblock", target).save_pretrained(tmp_path / "loaded")
+    drafter = SpecBlockDraftModel.from_pretrained(tmp_path / "loaded", online_adaptation="bandit")
+    assert drafter.config.online_adaptation == "bandit"
+    loaded = _weights(drafter)
+    _serve(target, drafter, calls=3)
+    adapted = _weights(drafter)
+    assert any(not torch.equal(adapted[n], loaded[n]) for n in loaded)
+    drafter.save_pretrained(tmp_path / "default")
+    drafter.save_pretrained(tmp_path / "adapted", save_adapted=True)
+    assert all(torch.equal(p, adapted[n]) for n, p in drafter.named_parameters())  # saving changed nothing
+    for folder, expected in (("default", loaded), ("adapted", adapted)):
+        saved = SpecBlockDraftModel.from_pretrained(tmp_path / folder)
+        assert all(torch.equal(p, expected[n]) for n, p in saved.named_parameters()), folder
+    drafter.reset_adaptation()
+    assert all(torch.equal(p, loaded[n]) for n, p in drafter.named_parameters())
+    assert "_online_adaptation" not in drafter.__dict__
+
+
+def test_tree_settings_scope_the_policy():
+    target = make_target("llama", vocab_size=VOCAB, seed=1)
+    drafter = _drafter("eagle3", target)
+    with drafter.tree_settings(online_adaptation="head_only"):
+        assert _serve(target, drafter, calls=1) == [HEAD_ONLY]
+    assert drafter.config.online_adaptation == "off"
+    assert _serve(target, drafter, calls=1) == ["off"]
+
+
+def test_bad_settings_are_refused():
+    target = make_target("llama", vocab_size=VOCAB, seed=1)
+    with pytest.raises(ValueError, match="online_adaptation must be one of .*'off'.*got 'sometimes'"):
+        _drafter("specblock", target, online_adaptation="sometimes")
+    drafter = _drafter("specblock", target)
+    with pytest.raises(ValueError, match="online_adaptation must be one of"), drafter.tree_settings(online_adaptation="on"):
+        pass
+    with pytest.raises(ValueError, match="adaptation_learning_rate must be a float > 0"):
+        _drafter("specblock", target, adaptation_learning_rate=0.0)
+    with pytest.raises(ValueError, match="adaptation_buffer_size must be an int >= 1"):
+        _drafter("specblock", target, adaptation_buffer_size=0)
+    unbound = SpecBlockDraftModel(drafter.config)
+    with pytest.raises(ValueError, match="needs a drafter bound to its target.*bind_target"):
+        online_adapter_for(unbound)
+    lookup = LookupTreeModel.from_target(target, online_adaptation="bandit")
+    with pytest.raises(ValueError, match="LookupTreeModel has no weights to adapt: set online_adaptation='off'"):
+        target.generate(_prompt(0), assistant_model=lookup, max_new_tokens=4)
