@@ -202,7 +202,8 @@ def test_layer_id_conventions(target, tmp_path):
     config = json.loads((tmp_path / "out" / "config.json").read_text())
     assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 2, 3]  # SGLang: output of layer
     assert config["eagle_aux_hidden_state_layer_ids"] == [1, 3, 4]  # vLLM: input of layer = HF index
-    for fields in ({"eagle_config": {"eagle_aux_hidden_state_layer_ids": [0, 2, 3]}}, {"eagle_aux_hidden_state_layer_ids": [1, 3, 4]}):
+    sglang_only = {"eagle_config": {"eagle_aux_hidden_state_layer_ids": [0, 2, 3]}}
+    for fields in (sglang_only, {"eagle_aux_hidden_state_layer_ids": [1, 3, 4]}):
         config.pop("eagle_config"), config.pop("eagle_aux_hidden_state_layer_ids", None)
         config.update(fields)
         (tmp_path / "out" / "config.json").write_text(json.dumps(config))
@@ -263,18 +264,18 @@ def mlp(x, state, prefix) -> torch.Tensor:
 def eagle3_reference_logits(state, config, features, token_embeds) -> torch.Tensor:
     """One EAGLE-3 step over P positions (eagle/model/cnets.py LlamaDecoderLayeremb + Model; SpecForge's fc_norm and
     norm_output; vLLM's norm_before_residual), on the checkpoint's own key names."""
-    eps, p = config.rms_norm_eps, ("layers.0." if "layers.0.fc" in state or "layers.0.hidden_norm.weight" in state else "midlayer.")
-    if "embed_tokens.weight" in state:
-        token_embeds = state["embed_tokens.weight"][token_embeds.argmax(-1)] if token_embeds.dtype == torch.long else token_embeds
+    eps, p = config.rms_norm_eps, ("layers.0." if "layers.0.hidden_norm.weight" in state else "midlayer.")
     if "fc_norm.0.weight" in state:
-        features = torch.cat([rms(c, state[f"fc_norm.{i}.weight"], eps) for i, c in enumerate(features.chunk(3, -1))], -1)
+        parts = features.chunk(3, -1)
+        features = torch.cat([rms(part, state[f"fc_norm.{i}.weight"], eps) for i, part in enumerate(parts)], -1)
     hidden = features @ state["fc.weight"].T
     normed = rms(hidden, state[p + "hidden_norm.weight"], eps)
     residual = normed if config.norm_before_residual else hidden
     x = torch.cat([rms(token_embeds, state[p + "input_layernorm.weight"], eps), normed], dim=-1)
     num = x.shape[0]
     positions = torch.arange(num)  # EAGLE counts drafter positions from 0; RoPE is relative
-    h = residual + attention(x, state, p + "self_attn.", config, positions, torch.ones(num, num, dtype=torch.bool).tril())
+    causal = torch.ones(num, num, dtype=torch.bool).tril()
+    h = residual + attention(x, state, p + "self_attn.", config, positions, causal)
     h = h + mlp(rms(h, state[p + "post_attention_layernorm.weight"], eps), state, p + "mlp.")
     return (rms(h, state["norm.weight"], eps) if config.norm_output else h) @ state["lm_head.weight"].T
 
@@ -299,7 +300,8 @@ def specblock_reference_outputs(state, config, features, token_embeds) -> tuple[
             w = state[f"shift_proj.{i - 1}.weight"]
             h = h @ w[:, :hidden].T + shifted @ w[:, hidden:].T
         p = f"layers.{i}."
-        h = h + attention(rms(h, state[p + "input_layernorm.weight"], eps), state, p + "self_attn.", config, pos + 1 + slot, visible)
+        x = rms(h, state[p + "input_layernorm.weight"], eps)
+        h = h + attention(x, state, p + "self_attn.", config, pos + 1 + slot, visible)
         h = h + mlp(rms(h, state[p + "post_attention_layernorm.weight"], eps), state, p + "mlp.")
     normed = rms(h, state["norm.weight"], eps)
     logits = normed @ state["lm_head.weight"].T
@@ -338,9 +340,8 @@ def test_loaded_eagle3_computes_what_their_code_computes(layout, variant, target
     features = torch.randn(1, 6, 3 * 64, generator=generator)
     tokens = torch.randint(0, 128, (1, 6), generator=generator)
     with torch.no_grad():
-        ours = loaded.draft_step(
-            loaded.fuse_features(features), tokens, torch.arange(1, 7)[None], torch.ones(6, 6, dtype=torch.bool).tril()[None]
-        ).logits[0]
+        causal = torch.ones(6, 6, dtype=torch.bool).tril()[None]
+        ours = loaded.draft_step(loaded.fuse_features(features), tokens, torch.arange(1, 7)[None], causal).logits[0]
         embeds = target.get_input_embeddings()(tokens)[0]
         state = read_published_state(tmp_path)
         if "embed_tokens.weight" in state:
@@ -353,14 +354,16 @@ def test_loaded_specblock_computes_what_the_reference_computes(target, tmp_path,
     native = native_drafter("specblock_reference", target)
     write_published(tmp_path, native, "specblock_reference")
     loaded = SpecBlockDraftModel.from_pretrained(tmp_path, target=target)
-    assert (loaded.config.rank_head_bias, loaded.config.rank_top1_over_vocab, loaded.config.rank_feature_top_k) == (False, False, 20)
+    config = loaded.config
+    assert (config.rank_head_bias, config.rank_top1_over_vocab, config.rank_feature_top_k) == (False, False, 20)
     generator = torch.Generator().manual_seed(2)
     features = torch.randn(1, 5, 3 * 64, generator=generator)
     tokens = torch.randint(0, 128, (1, 5), generator=generator)
     with torch.no_grad():
         out = loaded(tokens, features)
         embeds = target.get_input_embeddings()(tokens)[0]
-        logits, rank_logits = specblock_reference_outputs(read_published_state(tmp_path), loaded.config, features[0], embeds)
+        state = read_published_state(tmp_path)
+        logits, rank_logits = specblock_reference_outputs(state, loaded.config, features[0], embeds)
     torch.testing.assert_close(out.logits[0], logits, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(out.rank_logits[0], rank_logits, rtol=1e-5, atol=1e-5)
     default = make_drafter(target)  # our own rank features differ from the reference's (top-1 over the vocabulary)
@@ -411,7 +414,8 @@ def test_export_refuses_what_the_other_tool_would_compute_differently(target, tm
     with pytest.raises(ValueError, match="fc_norm is on"):
         native_drafter("specforge", target, fc_norm=True).save_pretrained(tmp_path / "e", checkpoint_format="eagle3")
     with pytest.raises(ValueError, match="norm_before_residual is on"):
-        native_drafter("speculators", target, norm_before_residual=True).save_pretrained(tmp_path / "e", checkpoint_format="eagle3")
+        native = native_drafter("speculators", target, norm_before_residual=True)
+        native.save_pretrained(tmp_path / "e", checkpoint_format="eagle3")
     with pytest.raises(ValueError, match="checkpoint_format='gguf' is not one Eagle3DraftModel writes"):
         native_drafter("eagle", target).save_pretrained(tmp_path / "g", checkpoint_format="gguf")
     assert not any(p.exists() for p in (tmp_path / "s", tmp_path / "e", tmp_path / "g"))
@@ -503,7 +507,9 @@ def test_a_published_checkpoint_needs_its_target(target, tmp_path):
     write_published(tmp_path, native_drafter("eagle", target), "eagle")
     with pytest.raises(ValueError, match="pass `target=<the target model>`"):
         Eagle3DraftModel.from_pretrained(tmp_path)
-    loaded = Eagle3DraftModel.from_pretrained(tmp_path, target_config=target.config, tree_budget=4, dtype=torch.bfloat16)
+    loaded = Eagle3DraftModel.from_pretrained(
+        tmp_path, target_config=target.config, tree_budget=4, dtype=torch.bfloat16
+    )
     assert loaded.config.tree_budget == 4 and loaded.dtype == torch.bfloat16  # overrides and dtype apply
 
 

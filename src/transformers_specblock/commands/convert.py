@@ -47,7 +47,7 @@ def convert(source: str, output: str, to: str, target: str | None = None) -> Tre
     published = drafter_class_for(config)
     if to == NATIVE:
         if published is None:
-            raise ValueError(f"{source} is not a published EAGLE-3 or SpecBlock reference checkpoint (see its config.json).")
+            raise ValueError(f"{source} is not a published EAGLE-3 or SpecBlock reference checkpoint (config.json).")
         if target is None:
             raise ValueError("--to native needs --target: the target model the drafter was trained for.")
         drafter = published.from_pretrained(path, target_config=AutoConfig.from_pretrained(resolve_model_path(target)))

@@ -25,6 +25,7 @@ from transformers import PretrainedConfig
 
 from ..tree_drafter.checkpoint_io import (
     PublishedCheckpoint,
+    check_fits_target,
     check_state_dict,
     draft_vocab_from_offsets,
     expected_shapes,
@@ -66,7 +67,12 @@ def _flatten(config: dict[str, Any]) -> dict[str, Any]:
 
 
 def eagle3_config_from(
-    config: dict[str, Any], layout: str, target_config: PretrainedConfig, has_embedding: bool, source: str, **overrides: Any
+    config: dict[str, Any],
+    layout: str,
+    target_config: PretrainedConfig,
+    has_embedding: bool,
+    source: str,
+    **overrides: Any,
 ) -> Eagle3Config:
     """Our `Eagle3Config` for a published EAGLE-3 `config.json` and the target it drafts for."""
     if layout == "speculators":
@@ -74,16 +80,13 @@ def eagle3_config_from(
     text = target_config.get_text_config()
     hidden, heads = config["hidden_size"], config["num_attention_heads"]
     if config.get("num_hidden_layers", 1) != 1:
-        raise ValueError(f"{source}: num_hidden_layers={config['num_hidden_layers']}; only one-layer EAGLE-3 drafters load.")
+        raise ValueError(
+            f"{source}: num_hidden_layers={config['num_hidden_layers']}; only one-layer EAGLE-3 drafters load."
+        )
     if not (config.get("eagle_config") or {}).get("use_aux_hidden_state", True):
-        raise ValueError(f"{source}: eagle_config.use_aux_hidden_state is false (no fused target features); not EAGLE-3.")
+        raise ValueError(f"{source}: eagle_config.use_aux_hidden_state is false (no fused target features).")
     target_hidden = config.get("target_hidden_size") or hidden
-    for name, theirs, target in (("vocab_size", config["vocab_size"], text.vocab_size), ("target_hidden_size", target_hidden, text.hidden_size)):
-        if theirs != target:
-            raise ValueError(
-                f"{source}: the checkpoint's {name} is {theirs}, the target's is {target}: it was trained for another "
-                "target model."
-            )
+    check_fits_target(config["vocab_size"], target_hidden, target_config, source)
     if target_hidden != hidden and not has_embedding:
         raise ValueError(
             f"{source}: target_hidden_size={target_hidden} differs from hidden_size={hidden}, so the drafter needs its "
@@ -122,7 +125,11 @@ def eagle3_config_from(
 
 
 def eagle3_state_dict_from(
-    state_dict: dict[str, torch.Tensor], config: Eagle3Config, expected: dict[str, tuple[int, ...]], source: str, layout: str
+    state_dict: dict[str, torch.Tensor],
+    config: Eagle3Config,
+    expected: dict[str, tuple[int, ...]],
+    source: str,
+    layout: str,
 ) -> dict[str, torch.Tensor]:
     """Published EAGLE-3 keys -> ours (`midlayer.` / `layers.0.` -> `layer.`, offsets -> target ids), strictly:
     every key must be known and every shape must fit `expected` (our names -> shapes)."""
@@ -140,14 +147,15 @@ def eagle3_state_dict_from(
         f"EAGLE-3 ({layout})",
         lambda key: layer_prefix + key[len("layer.") :] if key.startswith("layer.") else key,
     )
-    renamed["d2t"], renamed["t2d"] = draft_vocab_from_offsets(d2t, t2d, config.vocab_size, config.draft_vocab_size, source)
+    vocab = draft_vocab_from_offsets(d2t, t2d, config.vocab_size, config.draft_vocab_size, source)
+    renamed["d2t"], renamed["t2d"] = vocab
     return renamed
 
 
 def convert_published_eagle3(
     model_class: type, checkpoint: PublishedCheckpoint, target_config: PretrainedConfig, overrides: dict[str, Any]
 ) -> tuple[Eagle3Config, dict[str, torch.Tensor]]:
-    """(our config, our state dict) for a published EAGLE-3 checkpoint (`PublishedCheckpointMixin.convert_published`)."""
+    """(our config, our state dict) for a published EAGLE-3 checkpoint (see `PublishedCheckpointMixin`)."""
     has_embedding = "embed_tokens.weight" in checkpoint.state_dict
     source, layout = checkpoint.source, checkpoint.layout
     ours = eagle3_config_from(checkpoint.config, layout, target_config, has_embedding, source, **overrides)
@@ -202,6 +210,6 @@ def export_eagle3(drafter: Any, folder: str | os.PathLike) -> None:
         **rope_fields(config.rope_parameters),
         **layer_id_fields(config.target_layer_ids),
     }
-    if config.target_hidden_size != config.hidden_size:  # EAGLE reads its presence as "do not load the target's embedding"
+    if config.target_hidden_size != config.hidden_size:  # EAGLE reads it as "do not load the target's embedding"
         out["target_hidden_size"] = config.target_hidden_size
     write_checkpoint(folder, out, state)

@@ -103,6 +103,9 @@ class SpecBlockConfig(TreeDrafterConfig):
         if self.prefill_chunk_size < 1:
             raise ValueError(f"prefill_chunk_size must be >= 1, got {self.prefill_chunk_size}.")
         if not isinstance(self.rank_feature_top_k, int) or self.rank_feature_top_k < 10:
-            raise ValueError(f"rank_feature_top_k must be an int >= 10 (10 log-probabilities are features), got {self.rank_feature_top_k!r}.")
+            raise ValueError(
+                f"rank_feature_top_k must be an int >= 10 (10 log-probabilities are features), got "
+                f"{self.rank_feature_top_k!r}."
+            )
         if self.tree_policy not in ("rank", "fixed"):
             raise ValueError(f"tree_policy must be 'rank' or 'fixed', got {self.tree_policy!r}.")

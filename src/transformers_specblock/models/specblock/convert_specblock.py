@@ -24,6 +24,7 @@ from transformers import PretrainedConfig
 
 from ..tree_drafter.checkpoint_io import (
     PublishedCheckpoint,
+    check_fits_target,
     check_state_dict,
     draft_vocab_from_offsets,
     expected_shapes,
@@ -67,13 +68,7 @@ def specblock_config_from(
     text = target_config.get_text_config()
     hidden, heads = config["hidden_size"], config["num_attention_heads"]
     target_hidden = config.get("target_hidden_size") or hidden
-    checks = (("vocab_size", config["vocab_size"], text.vocab_size), ("target_hidden_size", target_hidden, text.hidden_size))
-    for name, theirs, target in checks:
-        if theirs != target:
-            raise ValueError(
-                f"{source}: the checkpoint's {name} is {theirs}, the target's is {target}: it was trained for another "
-                "target model."
-            )
+    check_fits_target(config["vocab_size"], target_hidden, target_config, source)
     if target_hidden != hidden:
         raise ValueError(
             f"{source}: target_hidden_size={target_hidden} != hidden_size={hidden}: the reference feeds the target's "
@@ -193,7 +188,7 @@ def export_specblock_reference(drafter: Any, folder: str | os.PathLike) -> None:
         "attention_bias": (config.attention_bias, False),
         "mlp_bias": (config.mlp_bias, False),
     }
-    problems += [f"{name}={ours} (the reference needs {theirs})" for name, (ours, theirs) in fixed.items() if ours != theirs]
+    problems += [f"{name}={ours} (the reference needs {need})" for name, (ours, need) in fixed.items() if ours != need]
     if config.rope_parameters.get("rope_type") not in ("default", "llama3"):
         problems.append(f"its RoPE type {config.rope_parameters['rope_type']!r} (the reference applies only llama3)")
     if problems:

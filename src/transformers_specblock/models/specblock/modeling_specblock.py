@@ -214,7 +214,8 @@ class SpecBlockDraftModel(SpecBlockPreTrainedModel):
         normed = self.norm(hidden_states)
         logits = self.lm_head(normed)
         config = self.config
-        features = rank_features(logits.detach(), config.rank_feature_top_k, config.rank_top1_over_vocab).to(normed.dtype)
+        features = rank_features(logits.detach(), config.rank_feature_top_k, config.rank_top1_over_vocab)
+        features = features.to(normed.dtype)
         return logits, self.rank_head(torch.cat([normed.detach(), features], dim=-1))
 
     def forward(

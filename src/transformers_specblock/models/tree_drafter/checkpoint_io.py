@@ -66,7 +66,9 @@ def load_tensor_pickle(path: str) -> dict[str, Any]:
         ) from error
 
 
-def read_state_dict(path_or_id: str | os.PathLike, hub_kwargs: Mapping[str, Any]) -> tuple[dict[str, torch.Tensor], str]:
+def read_state_dict(
+    path_or_id: str | os.PathLike, hub_kwargs: Mapping[str, Any]
+) -> tuple[dict[str, torch.Tensor], str]:
     """(state dict, file name) of a single-file checkpoint: `model.safetensors`, else `pytorch_model.bin` (read with
     `weights_only=True`). Drafters are small; a sharded checkpoint is refused."""
     for sharded in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
@@ -110,8 +112,22 @@ def check_state_dict(
     for key, shape in expected.items():
         if tuple(state_dict[key].shape) != tuple(shape):
             raise ValueError(
-                f"{source}: key {their_name(key)!r} has shape {list(state_dict[key].shape)}, but the config (and the target) "
-                f"need {list(shape)}. The checkpoint was built for another target or its config.json is wrong."
+                f"{source}: key {their_name(key)!r} has shape {list(state_dict[key].shape)}, but the config (and the "
+                f"target) need {list(shape)}. The checkpoint was built for another target or its config.json is wrong."
+            )
+
+
+def check_fits_target(
+    vocab_size: int, target_hidden_size: int, target_config: PretrainedConfig, source: str
+) -> None:
+    """Raise a ValueError unless a checkpoint's vocabulary and target hidden size are the target's."""
+    text = target_config.get_text_config()
+    checks = (("vocab_size", vocab_size, text.vocab_size), ("target_hidden_size", target_hidden_size, text.hidden_size))
+    for name, theirs, target in checks:
+        if theirs != target:
+            raise ValueError(
+                f"{source}: the checkpoint's {name} is {theirs}, the target's is {target}: it was trained for another "
+                "target model."
             )
 
 
@@ -128,7 +144,9 @@ def draft_vocab_from_offsets(
             )
         d2t = torch.zeros(draft_vocab_size, dtype=torch.long)
     if d2t.is_floating_point() or d2t.dim() != 1 or d2t.numel() != draft_vocab_size:
-        raise ValueError(f"{source}: key 'd2t' must be an integer tensor [{draft_vocab_size}], got {d2t.dtype} {list(d2t.shape)}.")
+        raise ValueError(
+            f"{source}: key 'd2t' must be an integer tensor [{draft_vocab_size}], got {d2t.dtype} {list(d2t.shape)}."
+        )
     target_ids = torch.arange(draft_vocab_size) + d2t.long()
     marked = torch.zeros(vocab_size, dtype=torch.bool)
     fits = bool((target_ids >= 0).all() and (target_ids < vocab_size).all())
@@ -194,7 +212,10 @@ def layer_id_fields(hf_layer_ids: list[int]) -> dict[str, Any]:
             "output-of-layer ids cannot name; such a drafter cannot be exported in the EAGLE-3 layout."
         )
     return {
-        "eagle_config": {"eagle_aux_hidden_state_layer_ids": [i - 1 for i in hf_layer_ids], "use_aux_hidden_state": True},
+        "eagle_config": {
+            "eagle_aux_hidden_state_layer_ids": [i - 1 for i in hf_layer_ids],
+            "use_aux_hidden_state": True,
+        },
         "eagle_aux_hidden_state_layer_ids": list(hf_layer_ids),
     }
 
@@ -202,7 +223,9 @@ def layer_id_fields(hf_layer_ids: list[int]) -> dict[str, Any]:
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
-def rope_parameters_from(config: Mapping[str, Any], source: str, ignore_scaling_except_llama3: bool = False) -> dict[str, Any]:
+def rope_parameters_from(
+    config: Mapping[str, Any], source: str, ignore_scaling_except_llama3: bool = False
+) -> dict[str, Any]:
     """Our `rope_parameters` from a Llama-style config's `rope_theta` (default 10000, as every published loader) and
     `rope_scaling` / `rope_parameters`. Types other than default / linear / llama3 are refused: the published
     implementations of dynamic NTK and YaRN do not compute what transformers' do. With
@@ -215,7 +238,8 @@ def rope_parameters_from(config: Mapping[str, Any], source: str, ignore_scaling_
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ValueError(
             f"{source}: RoPE scaling {rope_type!r} is not supported (only {SUPPORTED_ROPE_TYPES}): the drafter's code "
-            "and transformers' implement it differently, so the loaded drafter would not compute what it was trained with."
+            "and transformers' implement it differently, so the loaded drafter would not compute what it was trained "
+            "with."
         )
     parameters: dict[str, Any] = {"rope_type": rope_type, "rope_theta": theta}
     if rope_type == "linear":
@@ -252,7 +276,7 @@ def write_checkpoint(folder: str | os.PathLike, config: dict[str, Any], state_di
 
 
 def expected_shapes(model_class: type, config: PretrainedConfig) -> dict[str, tuple[int, ...]]:
-    """Our state-dict key -> shape for a drafter of `model_class` built from `config` (on the meta device: no memory)."""
+    """Our state-dict key -> shape for a drafter of `model_class` built from `config` (on the meta device)."""
     with torch.device("meta"):
         model = model_class(config)
     return {name: tuple(t.shape) for name, t in model.state_dict().items()}
