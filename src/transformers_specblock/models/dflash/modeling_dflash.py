@@ -34,8 +34,10 @@ from transformers.models.llama.modeling_llama import (
 )
 
 from ...utils import additive_mask
+from ..tree_drafter.checkpoint_io import PublishedCheckpointMixin
 from ..tree_drafter.modeling_tree_drafter import TreeDraftModel, _execution_device
 from .configuration_dflash import DFlashConfig
+from .convert_dflash import convert_published_dflash, detect_dflash_layout, export_dflash
 
 __all__ = ["DFlashAttention", "DFlashDecoderLayer", "DFlashDraftModel"]
 
@@ -125,16 +127,21 @@ class DFlashDecoderLayer(nn.Module):
         return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
 
 
-class DFlashDraftModel(TreeDraftModel):
+class DFlashDraftModel(PublishedCheckpointMixin, TreeDraftModel):
     """A DFlash block drafter of a frozen target (see the module docstring).
 
     Its `forward` is the interface transformers' `DFlashTokenCandidateGenerator` calls, so
     `target.generate(..., assistant_model=drafter, speculation_type="dflash")` runs transformers' own chain path;
     without `speculation_type` this package's tree loop drafts a best-first tree from the same forward
     (`generation.candidate_generators.dflash`). `bind_target` also keeps the target's `lm_head` (`draft_logits`).
+    `from_pretrained` also reads published DFlash checkpoints (`convert_dflash`; they need `target=`), and
+    `save_pretrained(folder, checkpoint_format="dflash")` writes one.
     """
 
     config_class = DFlashConfig
+    detect_published_layout = staticmethod(detect_dflash_layout)
+    convert_published = staticmethod(convert_published_dflash)
+    checkpoint_writers = {"dflash": export_dflash}
     main_input_name = "noise_embeds"
     _no_split_modules = ["DFlashDecoderLayer"]
 
