@@ -473,6 +473,7 @@ MALFORMED = {  # name -> (layout, change of weights or None, change of config or
     "rope yarn": ("specforge", None, lambda c: c.update(rope_scaling={"rope_type": "yarn", "factor": 4.0}),
                   "RoPE scaling 'yarn' is not supported"),
     "rank classes": ("specblock_reference", None, lambda c: c.update(rank_classes=5), "rank_classes=5"),
+    "no hidden size": ("eagle", None, lambda c: c.pop("hidden_size"), "config.json has no integer 'hidden_size'"),
 }  # fmt: skip
 
 
@@ -511,6 +512,18 @@ def test_a_published_checkpoint_needs_its_target(target, tmp_path):
         tmp_path, target_config=target.config, tree_budget=4, dtype=torch.bfloat16
     )
     assert loaded.config.tree_budget == 4 and loaded.dtype == torch.bfloat16  # overrides and dtype apply
+    with pytest.raises(ValueError, match=r"\['low_cpu_mem_usage'\] are neither"):
+        Eagle3DraftModel.from_pretrained(tmp_path, target=target, low_cpu_mem_usage=True)
+
+
+def test_full_vocabulary_eagle3_without_vocab_buffers(target, tmp_path):
+    """EAGLE drops d2t / t2d when the draft vocabulary is the target's: the identity map."""
+    native = native_drafter("eagle", target, draft_vocab_size=128)
+    write_published(tmp_path, native, "eagle")
+    rewrite_weights(tmp_path, lambda s: (s.pop("d2t"), s.pop("t2d")))
+    loaded = Eagle3DraftModel.from_pretrained(tmp_path, target=target)
+    assert torch.equal(loaded.d2t, torch.arange(128)) and bool(loaded.t2d.all())
+    assert_same_weights(native, loaded)
 
 
 # ------------------------------------------------------------------------------------------------ command

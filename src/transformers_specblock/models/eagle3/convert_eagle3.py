@@ -32,6 +32,7 @@ from ..tree_drafter.checkpoint_io import (
     hf_layer_ids_from,
     layer_id_fields,
     offsets_from_draft_vocab,
+    require_fields,
     rope_fields,
     rope_parameters_from,
     write_checkpoint,
@@ -77,6 +78,7 @@ def eagle3_config_from(
     """Our `Eagle3Config` for a published EAGLE-3 `config.json` and the target it drafts for."""
     if layout == "speculators":
         config = _flatten(config)
+    require_fields(config, source)
     text = target_config.get_text_config()
     hidden, heads = config["hidden_size"], config["num_attention_heads"]
     if config.get("num_hidden_layers", 1) != 1:

@@ -30,6 +30,7 @@ from ..tree_drafter.checkpoint_io import (
     expected_shapes,
     load_tensor_pickle,
     offsets_from_draft_vocab,
+    require_fields,
     resolve_file,
     rope_fields,
     rope_parameters_from,
@@ -65,6 +66,7 @@ def specblock_config_from(
     config: dict[str, Any], target_config: PretrainedConfig, source: str, **overrides: Any
 ) -> SpecBlockConfig:
     """Our `SpecBlockConfig` for a reference `config.json` and the target it drafts for."""
+    require_fields(config, source)
     text = target_config.get_text_config()
     hidden, heads = config["hidden_size"], config["num_attention_heads"]
     target_hidden = config.get("target_hidden_size") or hidden

@@ -117,6 +117,17 @@ def check_state_dict(
             )
 
 
+REQUIRED_FIELDS = ("vocab_size", "hidden_size", "num_attention_heads", "intermediate_size")
+"""Llama config fields every published layout writes (the rest have each tool's defaults)."""
+
+
+def require_fields(config: Mapping[str, Any], source: str) -> None:
+    """Raise a ValueError naming the first of `REQUIRED_FIELDS` a published `config.json` lacks."""
+    missing = [name for name in REQUIRED_FIELDS if not isinstance(config.get(name), int)]
+    if missing:
+        raise ValueError(f"{source}: config.json has no integer {missing[0]!r} (needed: {list(REQUIRED_FIELDS)}).")
+
+
 def check_fits_target(
     vocab_size: int, target_hidden_size: int, target_config: PretrainedConfig, source: str
 ) -> None:
@@ -342,6 +353,12 @@ class PublishedCheckpointMixin:
         target_config = target.config if target is not None else target_config
         dtype = rest.pop("dtype", rest.pop("torch_dtype", "auto"))
         device = rest.pop("device_map", None)
+        unknown = [name for name in rest if not hasattr(cls.config_class(), name)]
+        if unknown:
+            raise ValueError(
+                f"Loading a published {layout} checkpoint: {unknown} are neither file-access arguments, dtype, "
+                f"device_map nor settings of {cls.config_class.__name__}."
+            )
         state_dict, filename = read_state_dict(path, hub_kwargs)
         checkpoint = PublishedCheckpoint(path, f"{path} ({filename})", layout, config_dict, state_dict, hub_kwargs)
         config, ours = cls.convert_published(cls, checkpoint, target_config, rest)
