@@ -179,3 +179,28 @@ def test_smollm2_chain_and_tree_equal_plain_greedy(one_thread):
         tree = target.generate(**inputs, do_sample=False, max_new_tokens=24, assistant_model=drafter)
         assert chain.tolist() == plain.tolist() and tree.tolist() == plain.tolist()
         assert max(drafter.last_stats.nodes_per_iteration) == 16
+
+
+def test_benchmark_methods_dflash_and_dflash_chain(tmp_path, one_thread):
+    """`--methods dflash,dflash_chain`: one drafter, our tree and transformers' chain, both equal plain greedy; the
+    chain rows carry no tree statistics (not the previous tree run's)."""
+    import datasets
+
+    from test_greedy_exactness import letter_tokenizer
+    from transformers_specblock.commands.benchmark import run_benchmark
+    from transformers_specblock.commands.cli import BenchArguments, build_methods
+
+    target = make_target("llama", vocab_size=24, seed=2)
+    make_dflash(target, mask_token_id=23).save_pretrained(tmp_path / "dflash")
+    args = BenchArguments(target_model="tiny", methods="plain,dflash@6,dflash_chain", dflash_model=str(tmp_path / "dflash"))
+    methods = build_methods(args, target)
+    assert [m.name for m in methods] == ["dflash@6", "dflash_chain"] and methods[0].tree_settings == {"tree_budget": 6}
+    assert methods[0].generate_kwargs["assistant_model"] is methods[1].generate_kwargs["assistant_model"]
+    assert methods[1].generate_kwargs["speculation_type"] == "dflash"
+    prompts = datasets.Dataset.from_list(
+        [{"id": f"p{i}", "category": "writing", "prompt": t, "text": t} for i, t in enumerate(["abcab", "hgfhgf"])]
+    )
+    results = run_benchmark(target, letter_tokenizer(24), prompts, methods, max_new_tokens=12, warmup_tokens=4)
+    assert all(r.identical_to_reference for r in results.prompts)
+    rows = {r.method: r for r in results.prompts}
+    assert rows["dflash@6"].tau is not None and rows["dflash@6"].nodes_verified > 0 and rows["dflash_chain"].tau is None

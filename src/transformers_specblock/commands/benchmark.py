@@ -218,6 +218,8 @@ def run_benchmark(
             torch.manual_seed(seed)
             _reset_peak_memory(target.device)
             drafter = method.generate_kwargs.get("assistant_model")
+            if isinstance(drafter, TreeDraftModel):  # a chain run (speculation_type) leaves no tree statistics
+                drafter.last_stats = None
             start = time.perf_counter()
             out = _generate(target, inputs, method, max_new_tokens, do_sample, generate_kwargs)
             seconds = time.perf_counter() - start

@@ -79,7 +79,9 @@ class BenchArguments:
             "help": "Comma list of: plain (always run, the reference), prompt_lookup (transformers'), assisted, "
             "specblock, specblock_fixed_tree, specblock_one_block, eagle3, lookup_tree (prompt lookup and an n-gram "
             "cache as a tree, no drafter), specblock+lookup, eagle3+lookup (the drafter's tree with those free "
-            "candidates); a tree method may name its budget, e.g. specblock@4,specblock+lookup@auto."
+            "candidates), dflash (a DFlash drafter's best-first tree), dflash_chain (the same drafter in "
+            "transformers' own speculation_type='dflash' chain); a tree method may name its budget, e.g. "
+            "specblock@4,specblock+lookup@auto."
         },
     )
     dataset: str = field(default="mt_bench", metadata={"help": "mt_bench, humaneval, sharegpt or a JSONL file."})
@@ -95,6 +97,11 @@ class BenchArguments:
         default=None,
         metadata={"help": "EAGLE-3 drafter: a shipped drafter name, a local folder or a Hub id; default: the "
                   "shipped eagle3-<target_model folder name>."},
+    )
+    dflash_model: str | None = field(
+        default=None,
+        metadata={"help": "DFlash drafter (methods dflash, dflash_chain): a shipped drafter name, a local folder or a "
+                  "Hub id; default: the shipped dflash-<target_model folder name>."},
     )
     assistant_model: str | None = field(
         default=None,
@@ -153,6 +160,7 @@ TREE_METHODS = {
     "lookup_tree": ("lookup_tree", {}),
     "specblock+lookup": ("specblock", {"lookup": True}),
     "eagle3+lookup": ("eagle3", {"lookup": True}),
+    "dflash": ("dflash", {}),
 }
 
 
@@ -184,6 +192,10 @@ def build_methods(args: BenchArguments, target) -> list[Method]:
                 raise ValueError("--methods assisted needs --assistant_model (e.g. qwen2.5-coder-0.5b-instruct).")
             assistant, _ = load_model(args.assistant_model, device=str(target.device), dtype=target.dtype)
             methods.append(Method(spec, {"assistant_model": assistant}))
+        elif name == "dflash_chain":  # transformers' own DFlash path (a chain), same drafter as "dflash"
+            if "dflash" not in drafters:
+                drafters["dflash"] = _load_drafter(args.dflash_model, "dflash", args.target_model, target)
+            methods.append(Method(spec, {"assistant_model": drafters["dflash"], "speculation_type": "dflash"}))
         elif name in TREE_METHODS:
             kind, settings = TREE_METHODS[name]
             with_lookup = kind == "lookup_tree" or settings.get("lookup", False)
@@ -191,7 +203,7 @@ def build_methods(args: BenchArguments, target) -> list[Method]:
             if kind not in drafters and kind == "lookup_tree":
                 drafters[kind] = LookupTreeModel.from_target(target)
             elif kind not in drafters:
-                path = args.eagle3_model if kind == "eagle3" else args.specblock_model
+                path = {"eagle3": args.eagle3_model, "dflash": args.dflash_model}.get(kind, args.specblock_model)
                 drafters[kind] = _load_drafter(path, kind, args.target_model, target)
             if with_lookup:
                 settings = settings | {
