@@ -6,6 +6,7 @@ each drafter (`models/eagle3/convert_eagle3.py`, `models/specblock/convert_specb
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import pickle
@@ -293,6 +294,16 @@ def expected_shapes(model_class: type, config: PretrainedConfig) -> dict[str, tu
     return {name: tuple(t.shape) for name, t in model.state_dict().items()}
 
 
+def setting_names(config_class: type[PretrainedConfig]) -> set[str]:
+    """The keyword arguments a config class (and its bases) takes by name."""
+    names: set[str] = set()
+    for klass in config_class.__mro__:
+        if "__init__" in vars(klass):
+            parameters = inspect.signature(klass.__init__).parameters.values()
+            names |= {p.name for p in parameters if p.kind is p.POSITIONAL_OR_KEYWORD or p.kind is p.KEYWORD_ONLY}
+    return names - {"self"}
+
+
 @dataclass
 class PublishedCheckpoint:
     """A published checkpoint as read: where from, its layout, its `config.json` and its weights."""
@@ -353,7 +364,7 @@ class PublishedCheckpointMixin:
         target_config = target.config if target is not None else target_config
         dtype = rest.pop("dtype", rest.pop("torch_dtype", "auto"))
         device = rest.pop("device_map", None)
-        unknown = [name for name in rest if not hasattr(cls.config_class(), name)]
+        unknown = [name for name in rest if name not in setting_names(cls.config_class)]
         if unknown:
             raise ValueError(
                 f"Loading a published {layout} checkpoint: {unknown} are neither file-access arguments, dtype, "
