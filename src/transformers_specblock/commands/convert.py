@@ -1,6 +1,6 @@
 """``specblock-convert``: drafter checkpoints between this package's layout and the published ones, folder to folder.
 
-    # a published EAGLE-3 (EAGLE / SpecForge / vLLM speculators) or SpecBlock reference checkpoint -> this package
+    # a published EAGLE-3 (EAGLE / SpecForge / vLLM speculators), SpecBlock reference or DFlash checkpoint -> ours
     specblock-convert --to native --target meta-llama/Llama-3.1-8B-Instruct yuhuili/EAGLE3-LLaMA3.1-Instruct-8B out/
     # a drafter trained here -> SGLang / vLLM (EAGLE-3) or the SpecBlock reference layout
     specblock-convert --to eagle3 out/eagle3-drafter out/eagle3-for-sglang
@@ -21,12 +21,13 @@ from transformers import AutoConfig
 
 from ..hub.assets import resolve_model_path
 from ..hub.shipped import resolve_drafter_path
+from ..models.dflash.modeling_dflash import DFlashDraftModel
 from ..models.eagle3.modeling_eagle3 import Eagle3DraftModel
 from ..models.specblock.modeling_specblock import SpecBlockDraftModel
 from ..models.tree_drafter.checkpoint_io import read_config_dict
 from ..models.tree_drafter.modeling_tree_drafter import TreeDraftModel
 
-DRAFTER_CLASSES: tuple[type[TreeDraftModel], ...] = (Eagle3DraftModel, SpecBlockDraftModel)
+DRAFTER_CLASSES: tuple[type[TreeDraftModel], ...] = (Eagle3DraftModel, SpecBlockDraftModel, DFlashDraftModel)
 NATIVE = "native"
 FORMATS = (NATIVE, *sorted({name for cls in DRAFTER_CLASSES for name in cls.checkpoint_writers}))
 
@@ -47,7 +48,7 @@ def convert(source: str, output: str, to: str, target: str | None = None) -> Tre
     published = drafter_class_for(config)
     if to == NATIVE:
         if published is None:
-            raise ValueError(f"{source} is not a published EAGLE-3 or SpecBlock reference checkpoint (config.json).")
+            raise ValueError(f"{source} is not a published EAGLE-3, SpecBlock reference or DFlash checkpoint.")
         if target is None:
             raise ValueError("--to native needs --target: the target model the drafter was trained for.")
         drafter = published.from_pretrained(path, target_config=AutoConfig.from_pretrained(resolve_model_path(target)))
