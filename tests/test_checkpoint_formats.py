@@ -100,6 +100,8 @@ def write_published(folder, drafter, layout: str) -> None:
         state = {(prefix + k[len("layer.") :] if k.startswith("layer.") else k): v.clone() for k, v in ours.items()}
         state["d2t"] = offsets
         fields.update(num_hidden_layers=1, draft_vocab_size=config.draft_vocab_size)
+        if config.target_hidden_size != config.hidden_size:
+            fields["target_hidden_size"] = config.target_hidden_size
         ids = config.target_layer_ids
         if layout == "eagle":  # eagle/traineagle3/config.json: no head_dim, no layer ids; pytorch_model.bin
             fields.update(architectures=["LlamaForCausalLM"], head_dim=999)  # a head_dim EAGLE's code ignores
@@ -215,6 +217,32 @@ def test_layer_id_conventions(target, tmp_path):
     default = native_drafter("eagle", target)
     write_published(tmp_path / "eagle", default, "eagle")  # EAGLE names none: inputs of layers 2, L//2, L-3
     assert Eagle3DraftModel.from_pretrained(tmp_path / "eagle", target=target).config.target_layer_ids == [2, 3, 3]
+
+
+def test_a_drafter_narrower_than_its_target_uses_its_own_embedding(target, tmp_path, one_thread):
+    """target_hidden_size != hidden_size (e.g. EAGLE-3 for a 70B target): the checkpoint carries an embedding of the
+    drafter's width, which the loaded drafter uses; without one it cannot run and is refused."""
+    narrow = dict(hidden_size=32, intermediate_size=64, own_token_embedding=True)
+    native = native_drafter("eagle", target, **narrow)
+    assert native.embed_tokens.weight.shape == (128, 32) and native.fc.weight.shape == (32, 192)
+    write_published(tmp_path / "eagle", native, "eagle")
+    loaded = Eagle3DraftModel.from_pretrained(tmp_path / "eagle", target=target)
+    assert loaded.config.own_token_embedding and loaded.config.target_hidden_size == 64
+    assert_same_weights(native, loaded)
+    generator = torch.Generator().manual_seed(3)
+    features, tokens = torch.randn(1, 6, 192, generator=generator), torch.randint(0, 128, (1, 6), generator=generator)
+    with torch.no_grad():
+        causal = torch.ones(6, 6, dtype=torch.bool).tril()[None]
+        ours = loaded.draft_step(loaded.fuse_features(features), tokens, torch.arange(1, 7)[None], causal).logits[0]
+        state = read_published_state(tmp_path / "eagle")
+        theirs = eagle3_reference_logits(state, loaded.config, features[0], state["embed_tokens.weight"][tokens[0]])
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+    loaded.save_pretrained(tmp_path / "out", checkpoint_format="eagle3")
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["target_hidden_size"] == 64
+    assert_same_weights(native, Eagle3DraftModel.from_pretrained(tmp_path / "out", target=target))
+    rewrite_weights(tmp_path / "eagle", lambda s: s.pop("embed_tokens.weight"))
+    with pytest.raises(ValueError, match="needs its own token embedding"):
+        Eagle3DraftModel.from_pretrained(tmp_path / "eagle", target=target)
 
 
 def test_head_dim_rules(tmp_path):
