@@ -1,7 +1,9 @@
-"""The drafters' head (draft `lm_head`, rank head) runs only where its output is used, with the same drafts."""
+"""The drafters compute only what is used, with the same drafts: heads only where read (draft `lm_head`, rank
+head), no follow-up block or slot whose nodes pruning would drop."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from transformers import DynamicCache
 
@@ -77,3 +79,20 @@ def test_rounds_that_cannot_survive_pruning_are_skipped_with_the_same_tree():
         lambda budget: get_candidate_generator(eagle3, tree_budget=budget), [2, 4, 8, 30], features, tokens
     )
     assert forwards[2] < forwards[30]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_followup_blocks_and_slots_that_cannot_survive_are_not_drafted(seed):
+    """Rank-guided and fixed trees, several rounds, few follow-ups per round: drafting only the blocks and slots
+    that could survive pruning gives the tree grown without a budget and pruned."""
+    from transformers_specblock.generation.candidate_generators import get_candidate_generator
+
+    target = make_target("llama", vocab_size=40, seed=seed)
+    torch.manual_seed(seed)
+    features, tokens = torch.randn(6, 3 * target.config.hidden_size), torch.randint(0, 40, (6,))
+    widths = {"tree_policy": "fixed", "fixed_width": 1 + seed % 3} if seed % 2 else {}
+    drafter = make_drafter(target, block_size=3 + seed % 2, max_blocks=3, max_followups=1 + seed % 3, **widths)
+    drafter.bind_target(target)
+    _grown_then_pruned_equals_grown_at_budget(
+        lambda budget: get_candidate_generator(drafter, tree_budget=budget), [1, 2, 3, 5, 8, 13], features, tokens
+    )

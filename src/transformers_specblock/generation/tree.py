@@ -137,11 +137,18 @@ class DraftTree:
             capped = torch.minimum(capped, capped[parents])
         return capped
 
+    def room_below(self, scores: torch.Tensor, budget: int) -> torch.LongTensor:
+        """[M] for new nodes scoring at most `scores` [M] (each a chain start), how many of them `prune(budget)`
+        could keep: `budget` minus the drafted nodes already ranking at or above that score (a tie goes to the older
+        node), at least 0. A chain's j-th node needs its j ancestors kept too, so only its first `room` nodes can
+        survive; merging free candidates later only raises or adds scores, never lowers one. A drafter drafts no
+        deeper than that, and the pruned tree stays the same."""
+        above = (self.path_scores()[1:][None, :] >= scores.reshape(-1, 1)).sum(dim=1)
+        return (budget - above).clamp(min=0)
+
     def cannot_reach(self, best_new_score: torch.Tensor, budget: int) -> bool:
-        """Whether nodes scoring at most `best_new_score`, added now, would all fall outside `prune(budget)`: at least
-        `budget` drafted nodes already rank at or above that score (a tie goes to the older node). A drafter skips a
-        forward whose nodes could not survive pruning, and the pruned tree stays the same."""
-        return int((self.path_scores()[1:] >= best_new_score).sum()) >= budget
+        """Whether nodes scoring at most `best_new_score`, added now, would all fall outside `prune(budget)`."""
+        return int(self.room_below(best_new_score, budget)[0]) == 0
 
     def pruning_order(self) -> torch.LongTensor:
         """[N+1] node ids best first (root first): descending `path_scores`, ties in node order. Every node comes

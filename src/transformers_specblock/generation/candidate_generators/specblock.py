@@ -123,21 +123,27 @@ class SpecBlockCandidateGenerator(TreeCandidateGenerator):
             if candidates.numel() == 0:
                 break
             top = tree.scores[candidates].topk(min(self.max_followups, candidates.numel())).indices
-            chosen = candidates[top]
-            if tree.cannot_reach(tree.scores[chosen[0]], self.tree_budget):  # every new node would be pruned
+            # a block's nodes score below its start leaf: draft only the blocks, and the slots, that could survive
+            # pruning to the budget (the pruned tree is the same; fewer rows make the forward cheaper)
+            room = tree.room_below(tree.scores[candidates[top]], self.tree_budget)
+            top = top[room > 0]
+            if top.numel() == 0:
                 break
+            num_slots = int(room.max().clamp(max=k_slots))
+            chosen = candidates[top]
             b, s = block_of[leaf][top], slot_of[leaf][top]
             inherited = torch.zeros(chosen.numel(), local_entries, dtype=torch.bool, device=device)
             inherited[:, : rnd.inherited.shape[1]] = rnd.inherited[b]
-            slot_range = torch.arange(k_slots, device=device)
-            own = rnd.entry_offset[b, None] + slot_range  # the parent block's entries, slots 0..s visible
-            inherited.scatter_(1, own, slot_range[None, :] <= s[:, None])
+            parent_slots = torch.arange(rnd.hidden.shape[1], device=device)
+            own = rnd.entry_offset[b, None] + parent_slots  # the parent block's entries, slots 0..s visible
+            inherited.scatter_(1, own, parent_slots[None, :] <= s[:, None])
             out = self.drafter.draft_blocks(
                 rnd.hidden[b, s][None],
                 tree.tokens[chosen][None],
                 (self.root_position + tree.depths[chosen])[None],
-                followup_block_mask(inherited, k_slots, self.committed_entries - k_slots)[None],
+                followup_block_mask(inherited, num_slots, self.committed_entries - k_slots)[None],
                 self.cache,
+                num_slots=num_slots,
             )
             self.stats.drafter_forwards += 1
             num_new = chosen.numel()
@@ -145,11 +151,11 @@ class SpecBlockCandidateGenerator(TreeCandidateGenerator):
                 log_probs=out.logits[0].float().log_softmax(-1),
                 hidden=out.hidden_states[0],
                 widths=self._widths(out.rank_logits[0]),
-                entry_offset=local_entries + k_slots * torch.arange(num_new, device=device),
+                entry_offset=local_entries + num_slots * torch.arange(num_new, device=device),
                 inherited=inherited,
                 start_nodes=chosen,
             )
-            local_entries += k_slots * num_new
+            local_entries += num_slots * num_new
             blocks += num_new
         truncate_cache(self.cache, self.committed_entries)
         self.stats.blocks_per_iteration.append(blocks)

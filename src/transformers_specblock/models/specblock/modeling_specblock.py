@@ -158,6 +158,7 @@ class SpecBlockDraftModel(SpecBlockPreTrainedModel):
         past_key_values: Cache | None = None,
         logits_to_keep: int = 0,
         compute_heads: bool = True,
+        num_slots: int | None = None,
     ) -> SpecBlockOutput:
         """Draft one block of K slots for each of P positions.
 
@@ -168,13 +169,15 @@ class SpecBlockDraftModel(SpecBlockPreTrainedModel):
         logits_to_keep: compute `logits` / `rank_logits` for the last this many positions only (0 = all): reading a
                         prompt needs the last position's block alone, and the draft `lm_head` dominates its cost
         compute_heads:  False = return the slot states only (training runs `heads` on the slots its loss reads)
+        num_slots:      draft only slots 0..num_slots-1 of each block (default all K; `attention_mask` then has
+                        P*num_slots rows): a slot sees only the slots before it, so theirs are unchanged
         """
         batch, num_pos = input_ids.shape
-        k_slots, hidden = self.config.block_size, self.config.hidden_size
+        k_slots, hidden = num_slots or self.config.block_size, self.config.hidden_size
         target_hidden = self.config.target_hidden_size
         cond = self.condition_norm(condition)  # [B, P, H]
         tok = self.token_norm(self.embed_target_tokens(input_ids))  # [B, P, H_t]
-        query = self.query_norm(self.slot_queries.weight)  # [K, H]
+        query = self.query_norm(self.slot_queries.weight[:k_slots])  # [K, H]
         # fusion(concat(cond, tok, query)) computed as W_ct [cond; tok] + W_q query: one matmul per position.
         w_ct, w_q = self.fusion.weight.split([hidden + target_hidden, hidden], dim=1)
         per_position = F.linear(torch.cat([cond, tok], dim=-1), w_ct)  # [B, P, H]
