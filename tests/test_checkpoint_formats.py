@@ -544,6 +544,15 @@ def test_a_published_checkpoint_needs_its_target(target, tmp_path):
         Eagle3DraftModel.from_pretrained(tmp_path, target=target, low_cpu_mem_usage=True)
 
 
+@pytest.mark.parametrize("layout", ["specforge", "specblock_reference"])
+def test_16_bit_checkpoints_load_in_their_dtype(layout, target, tmp_path):
+    native = native_drafter(layout, target).to(torch.bfloat16)
+    write_published(tmp_path, native, layout)
+    loaded = drafter_class(layout).from_pretrained(tmp_path, target_config=target.config)  # dtype="auto"
+    assert loaded.dtype == torch.bfloat16
+    assert_same_weights(native, loaded)
+
+
 def test_full_vocabulary_eagle3_without_vocab_buffers(target, tmp_path):
     """EAGLE drops d2t / t2d when the draft vocabulary is the target's: the identity map."""
     native = native_drafter("eagle", target, draft_vocab_size=128)
