@@ -53,7 +53,8 @@ def native_drafter(layout: str, target, **overrides):
     """A random drafter of the kind `layout` holds, with a reduced draft vocabulary."""
     overrides.setdefault("draft_vocab_size", target.config.vocab_size * 3 // 4)
     if layout == "specblock_reference":  # the reference's rank head: no biases, features within the top 20
-        drafter = make_drafter(target, rank_head_bias=False, rank_top1_over_vocab=False, **overrides)
+        reference = dict(rank_head_bias=False, rank_top1_over_vocab=False, followup_positions="block1")
+        drafter = make_drafter(target, **reference, **overrides)
     else:
         torch.manual_seed(7)
         drafter = Eagle3DraftModel.from_target(target, tree_budget=8, **overrides)
@@ -187,7 +188,7 @@ def test_smollm2_sized_checkpoints_load_bit_exact(layout, tmp_path, one_thread):
     config_cls = drafter_class(layout).config_class
     overrides = dict(draft_vocab_size=8192)
     if layout == "specblock_reference":
-        overrides.update(rank_head_bias=False, rank_top1_over_vocab=False)
+        overrides.update(rank_head_bias=False, rank_top1_over_vocab=False, followup_positions="block1")
     torch.manual_seed(3)
     native = randomize(drafter_class(layout)(config_cls.from_target_config(target_config, **overrides)))
     write_published(tmp_path, native, layout)
@@ -396,6 +397,11 @@ def test_loaded_specblock_computes_what_the_reference_computes(target, tmp_path,
     torch.testing.assert_close(out.rank_logits[0], rank_logits, rtol=1e-5, atol=1e-5)
     default = make_drafter(target)  # our own rank features differ from the reference's (top-1 over the vocabulary)
     assert default.config.rank_top1_over_vocab and default.rank_head[0].bias is not None
+    # follow-up blocks: the reference trains and drafts them at block 1's positions, we at the start node's
+    depths = torch.tensor([1, 3])
+    assert loaded.config.followup_positions == "block1"
+    assert loaded.followup_start_positions(10, depths).tolist() == [10, 10]
+    assert default.followup_start_positions(10, depths).tolist() == [11, 13]
 
 
 # ------------------------------------------------------------------------------------------------ export

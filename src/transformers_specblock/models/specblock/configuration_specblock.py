@@ -36,6 +36,10 @@ class SpecBlockConfig(TreeDrafterConfig):
             draft logits (>= 10; 20 in training, also the reference's training code).
         rank_top1_over_vocab: The top-1 probability feature is normalised over the whole draft vocabulary (default);
             False = over the top `rank_feature_top_k` logits, as the SpecBlock reference computes it.
+        followup_positions: Rotary positions of a follow-up block: "start_node" (default; its start token at the start
+            node's position, root + depth, slot k k further: how this package trains) or "block1" (at block 1's
+            positions whatever the start depth: how the SpecBlock reference trains and drafts); see
+            `SpecBlockDraftModel.followup_start_positions`.
     """
 
     model_type = "specblock"
@@ -57,8 +61,10 @@ class SpecBlockConfig(TreeDrafterConfig):
         rank_head_bias: bool = True,
         rank_feature_top_k: int = 20,
         rank_top1_over_vocab: bool = True,
+        followup_positions: str = "start_node",
         **kwargs: Any,
     ) -> None:
+        self.followup_positions = followup_positions
         self.rank_head_bias = rank_head_bias
         self.rank_feature_top_k = rank_feature_top_k
         self.rank_top1_over_vocab = rank_top1_over_vocab
@@ -107,5 +113,7 @@ class SpecBlockConfig(TreeDrafterConfig):
                 f"rank_feature_top_k must be an int >= 10 (10 log-probabilities are features), got "
                 f"{self.rank_feature_top_k!r}."
             )
+        if self.followup_positions not in ("start_node", "block1"):
+            raise ValueError(f'followup_positions must be "start_node" or "block1", got {self.followup_positions!r}.')
         if self.tree_policy not in ("rank", "fixed"):
             raise ValueError(f"tree_policy must be 'rank' or 'fixed', got {self.tree_policy!r}.")

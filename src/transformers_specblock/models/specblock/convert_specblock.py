@@ -11,7 +11,8 @@ _llama3_specblock_base.py and llama3_specblock.py) in and out of `SpecBlockDraft
 target's). A `vocab_mapping.pt` beside the weights (`{d2t, t2d}`) is read with `torch.load(weights_only=True)` and wins,
 as in the harness. The reference computes head_dim = hidden_size // heads, RMSNorm eps 1e-5 unless configured, plain
 RoPE unless the scaling is llama3, rank features normalised within the top-20 logits and a bias-free rank head:
-the loaded config says so (`rank_head_bias=False`, `rank_top1_over_vocab=False`).
+the loaded config says so (`rank_head_bias=False`, `rank_top1_over_vocab=False`); its follow-up blocks sit at block 1's
+rotary positions (`followup_positions="block1"`).
 """
 
 from __future__ import annotations
@@ -105,6 +106,7 @@ def specblock_config_from(
         rank_head_bias=False,
         rank_feature_top_k=REFERENCE_FEATURE_TOP_K,
         rank_top1_over_vocab=False,
+        followup_positions="block1",
         pad_token_id=text.pad_token_id,
         bos_token_id=text.bos_token_id,
         eos_token_id=text.eos_token_id,
@@ -182,6 +184,7 @@ def export_specblock_reference(drafter: Any, folder: str | os.PathLike) -> None:
             "rank_top1_over_vocab=False, rank_feature_top_k=20)"
         )
     fixed = {
+        "followup_positions": (config.followup_positions, "block1"),
         "rank_bucket_upper_bounds": (config.rank_bucket_upper_bounds, REFERENCE_RANK_BOUNDS),
         "rank_head_hidden_size": (config.rank_head_hidden_size, REFERENCE_RANK_HIDDEN),
         "head_dim": (config.head_dim, config.hidden_size // config.num_attention_heads),

@@ -212,6 +212,14 @@ class SpecBlockDraftModel(SpecBlockPreTrainedModel):
             logits=logits, hidden_states=hidden_states, rank_logits=rank_logits, past_key_values=past_key_values
         )
 
+    def followup_start_positions(self, root_position: int, start_depths: torch.LongTensor) -> torch.LongTensor:
+        """Rotary position of each follow-up block's start token (slot k sits k further) for start nodes at
+        `start_depths` below a root at `root_position`: root + depth ("start_node"), or the root's, i.e. block 1's
+        positions ("block1", the SpecBlock reference's rule in training and drafting)."""
+        if self.config.followup_positions == "block1":
+            return torch.full_like(start_depths, root_position)
+        return root_position + start_depths
+
     def heads(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Pre-norm slot states [..., H] -> (draft logits [..., Vd], rank logits [..., num_rank_classes])."""
         normed = self.norm(hidden_states)
