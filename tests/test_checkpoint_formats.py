@@ -604,3 +604,27 @@ def test_published_layouts_on_the_packaged_smollm2(tmp_path, one_thread):
             assert torch.equal(ours, theirs)
         with loaded.tree_settings(tree_budget=8):
             assert torch.equal(real.generate(prompt, assistant_model=loaded, do_sample=False, max_new_tokens=16), plain)
+
+
+def test_the_shipped_drafters_export(tmp_path):
+    """The shipped EAGLE-3 drafter (trained here for SmolLM2-135M) exports for SGLang / vLLM and comes back bit for
+    bit; the shipped SpecBlock drafter, trained with this package's rank features, is refused by the reference export
+    with the reasons."""
+    shipped = Eagle3DraftModel.from_pretrained("eagle3-smollm2-135m-instruct")
+    assert convert_main(["--to", "eagle3", "eagle3-smollm2-135m-instruct", str(tmp_path / "eagle3")]) == 0
+    config = json.loads((tmp_path / "eagle3" / "config.json").read_text())
+    assert config["eagle_aux_hidden_state_layer_ids"] == shipped.config.target_layer_ids
+    back = Eagle3DraftModel.from_pretrained(tmp_path / "eagle3", target_config=LlamaConfig(**SMOLLM2))
+    assert_same_weights(shipped, back)
+    with pytest.raises(ValueError, match="cannot be exported in the reference layout: .*rank features differ"):
+        SpecBlockDraftModel.from_pretrained("specblock-smollm2-135m-instruct").save_pretrained(
+            tmp_path / "specblock", checkpoint_format="specblock_reference"
+        )
+
+
+def test_native_loading_binds_a_given_target(target, tmp_path):
+    native = native_drafter("eagle", target)
+    native.save_pretrained(tmp_path)
+    loaded = Eagle3DraftModel.from_pretrained(tmp_path, target=target)
+    assert loaded.target_embedding is target.get_input_embeddings()
+    assert_same_weights(native, loaded)
