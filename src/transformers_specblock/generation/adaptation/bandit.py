@@ -21,7 +21,7 @@ class CostAwareBandit:
     """Discounted UCB over `arms` with throughput-net-of-update-time rewards (see the module docstring)."""
 
     def __init__(
-        self, arms: tuple[str, ...], discount: float = 0.9, exploration: float = 0.15, scale_decay: float = 0.8
+        self, arms: tuple[str, ...], discount: float = 0.95, exploration: float = 0.15, scale_decay: float = 0.8
     ) -> None:
         self.arms = arms
         self.discount = discount

@@ -1,0 +1,212 @@
+"""Online adaptation on a stream of prompts (`online_adaptation`, issue 13): the shipped chat-trained drafters serve
+code, then chat, a shuffled mix of both, and held-out ShareGPT (in domain), under each policy.
+
+    OMP_NUM_THREADS=1 python examples/adaptation_stream.py --output_dir out/adaptation \
+        --num_code 12 --num_chat 6 --num_sharegpt 8 --max_new_tokens 48
+
+A run is (stream, drafter, policy): a freshly loaded drafter serves the stream's prompts one `generate` call each
+(greedy, a fixed tree budget); every call is timed from the call to the return, so the update time (run inside the
+call) is included. Per call: tau, tokens, seconds, the adaptation action, its time and signal, rollbacks, and whether
+the output equals plain `generate` (one plain reference per prompt, also the throughput baseline). Writes
+`calls.jsonl` (resumable: finished runs are skipped), `results.json`, `results.md` and `tau_along_stream.png`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+from pathlib import Path
+
+import torch
+
+from transformers_specblock import Eagle3DraftModel, SpecBlockDraftModel
+from transformers_specblock.hub.loading import load_model
+from transformers_specblock.hub.prompts import load_prompts
+from transformers_specblock.utils import import_pyplot
+
+DRAFTERS = {
+    "specblock": (SpecBlockDraftModel, "specblock-smollm2-135m-instruct"),
+    "eagle3": (Eagle3DraftModel, "eagle3-smollm2-135m-instruct"),
+}
+DEFAULT_RUNS = (
+    [f"shift/specblock/{p}" for p in ("off", "always", "head_only", "full", "bandit")]
+    + ["shift/eagle3/off", "shift/eagle3/bandit", "mixed/specblock/off", "mixed/specblock/bandit"]
+    + ["sharegpt/specblock/off", "sharegpt/specblock/bandit", "sharegpt/eagle3/off", "sharegpt/eagle3/bandit"]
+)
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--output_dir", required=True)
+    parser.add_argument("--target_model", default="smollm2-135m-instruct")
+    parser.add_argument("--runs", default=",".join(DEFAULT_RUNS), help="comma-separated stream/drafter/policy")
+    parser.add_argument("--num_code", type=int, default=12, help="HumanEval prompts opening the shift stream")
+    parser.add_argument("--num_chat", type=int, default=6, help="MT-Bench prompts after them (round-robin categories)")
+    parser.add_argument("--num_sharegpt", type=int, default=8, help="held-out ShareGPT prompts (in domain)")
+    parser.add_argument("--max_new_tokens", type=int, default=48)
+    parser.add_argument("--tree_budget", type=int, default=8, help="fixed budget (the shipped drafters' setting)")
+    parser.add_argument("--seed", type=int, default=0, help="shuffles the mixed stream")
+    return parser.parse_args()
+
+
+def build_streams(tokenizer, args: argparse.Namespace) -> dict[str, list[dict]]:
+    """shift: code then chat; mixed: the same prompts shuffled; sharegpt: held-out conversations."""
+    code = [dict(row, domain="code") for row in load_prompts("humaneval", args.num_code, tokenizer)]
+    by_category: dict[str, list[dict]] = {}
+    for row in load_prompts("mt_bench", None, tokenizer):
+        by_category.setdefault(row["category"], []).append(dict(row, domain="chat"))
+    chat = [rows[i] for i in range(10) for rows in by_category.values() if i < len(rows)][: args.num_chat]
+    mixed = code + chat
+    random.Random(args.seed).shuffle(mixed)
+    sharegpt = [dict(row, domain="sharegpt") for row in load_prompts("sharegpt", args.num_sharegpt, tokenizer)]
+    return {"shift": code + chat, "mixed": mixed, "sharegpt": sharegpt}
+
+
+def encode(tokenizer, row: dict):
+    return tokenizer(row["text"], return_tensors="pt", add_special_tokens=False)
+
+
+def plain_references(target, tokenizer, streams, max_new_tokens: int) -> dict[str, dict]:
+    """One plain greedy output and timing per distinct prompt."""
+    references = {}
+    for row in (row for rows in streams.values() for row in rows):
+        if row["id"] in references:
+            continue
+        inputs = encode(tokenizer, row)
+        start = time.perf_counter()
+        out = target.generate(**inputs, do_sample=False, max_new_tokens=max_new_tokens)
+        seconds = time.perf_counter() - start
+        new = out[0, inputs["input_ids"].shape[1] :]
+        references[row["id"]] = {"tokens": new.tolist(), "seconds": seconds}
+    return references
+
+
+def serve(target, tokenizer, stream: list[dict], drafter_name: str, policy: str, args, references) -> list[dict]:
+    """One run: a fresh drafter serves the stream; one row per call."""
+    cls, path = DRAFTERS[drafter_name]
+    drafter = cls.from_pretrained(path, online_adaptation=policy, tree_budget=args.tree_budget)
+    warmup = encode(tokenizer, {"text": "Hello"})
+    with drafter.tree_settings(online_adaptation="off"):  # untimed, leaves the weights as loaded
+        target.generate(**warmup, assistant_model=drafter, do_sample=False, max_new_tokens=8)
+    rows = []
+    for index, row in enumerate(stream):
+        inputs = encode(tokenizer, row)
+        start = time.perf_counter()
+        out = target.generate(**inputs, assistant_model=drafter, do_sample=False, max_new_tokens=args.max_new_tokens)
+        seconds = time.perf_counter() - start
+        stats = drafter.last_stats
+        new = out[0, inputs["input_ids"].shape[1] :].tolist()
+        rows.append({
+            "call": index, "prompt_id": row["id"], "domain": row["domain"], "new_tokens": len(new),
+            "seconds": seconds, "plain_seconds": references[row["id"]]["seconds"], "tau": stats.tau,
+            "action": stats.adaptation_action, "update_s": stats.adaptation_time_s,
+            "signal": stats.adaptation_signal, "signal_wrong": stats.adaptation_signal_wrong,
+            "rolled_back": stats.adaptation_rolled_back, "identical": new == references[row["id"]]["tokens"],
+        })  # fmt: skip
+        print(f"  call {index:2d} {row['domain']:8s} tau {stats.tau:.2f} {len(new) / seconds:5.1f} tok/s "
+              f"{stats.adaptation_action:9s} update {stats.adaptation_time_s:.2f}s", flush=True)  # fmt: skip
+    return rows
+
+
+def summarise(rows: list[dict]) -> dict:
+    """tau (all, first and last third of the stream), throughput with update time, update share, actions."""
+    third = max(1, len(rows) // 3)
+    tokens, seconds = sum(r["new_tokens"] for r in rows), sum(r["seconds"] for r in rows)
+    plain = sum(r["plain_seconds"] for r in rows)
+    actions: dict[str, int] = {}
+    for r in rows:
+        actions[r["action"]] = actions.get(r["action"], 0) + 1
+    mean = lambda rs: sum(r["tau"] for r in rs) / max(1, len(rs))  # noqa: E731
+    return {
+        "calls": len(rows), "tau": mean(rows), "tau_first_third": mean(rows[:third]),
+        "tau_last_third": mean(rows[-third:]), "tokens_per_s": tokens / seconds,
+        "plain_tokens_per_s": tokens / plain, "update_share": sum(r["update_s"] for r in rows) / seconds,
+        "actions": actions, "rollbacks": sum(r["rolled_back"] for r in rows),
+        "identical": all(r["identical"] for r in rows),
+    }  # fmt: skip
+
+
+def write_report(out_dir: Path, results: dict[str, dict], settings: dict) -> None:
+    (out_dir / "results.json").write_text(json.dumps({"settings": settings, "runs": results}, indent=1))
+    lines = [
+        "| stream | drafter | policy | tau | tau first third | tau last third | tokens/s (incl. updates) | vs off | "
+        "update share | actions | rollbacks | identical |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for key, run in results.items():
+        stream, drafter, policy = key.split("/")
+        s = run["summary"]
+        off = results.get(f"{stream}/{drafter}/off", {}).get("summary")
+        versus = f"{s['tokens_per_s'] / off['tokens_per_s']:.3f}" if off else "-"
+        actions = ", ".join(f"{a} {n}" for a, n in sorted(s["actions"].items()))
+        lines.append(
+            f"| {stream} | {drafter} | {policy} | {s['tau']:.3f} | {s['tau_first_third']:.3f} | "
+            f"{s['tau_last_third']:.3f} | {s['tokens_per_s']:.2f} | {versus} | {100 * s['update_share']:.1f}% | "
+            f"{actions} | {s['rollbacks']} | {'yes' if s['identical'] else 'NO'} |"
+        )
+    (out_dir / "results.md").write_text("\n".join(lines) + "\n")
+    plot(out_dir / "tau_along_stream.png", results)
+
+
+def plot(path: Path, results: dict[str, dict], window: int = 3) -> None:
+    """tau per call along each stream (running mean over `window` calls), one line per drafter and policy."""
+    plt = import_pyplot()
+    streams = sorted({key.split("/")[0] for key in results}, key=["shift", "mixed", "sharegpt"].index)
+    fig, axes = plt.subplots(1, len(streams), figsize=(5.5 * len(streams), 4), squeeze=False)
+    for ax, stream in zip(axes[0], streams):
+        for key, run in results.items():
+            if not key.startswith(stream + "/"):
+                continue
+            taus = [r["tau"] for r in run["calls"]]
+            smooth = [sum(taus[max(0, i - window + 1) : i + 1]) / len(taus[max(0, i - window + 1) : i + 1])
+                      for i in range(len(taus))]  # fmt: skip
+            style = "--" if key.split("/")[1] == "eagle3" else "-"
+            ax.plot(range(len(taus)), smooth, style, label="/".join(key.split("/")[1:]))
+        if stream == "shift":
+            switch = next((r["call"] for r in results[next(k for k in results if k.startswith("shift/"))]["calls"]
+                           if r["domain"] == "chat"), None)  # fmt: skip
+            if switch is not None:
+                ax.axvline(switch - 0.5, color="grey", lw=0.8)
+                ax.text(switch - 0.3, ax.get_ylim()[1], "code -> chat", va="top", fontsize=8, color="grey")
+        ax.set_title(f"{stream} stream")
+        ax.set_xlabel("call")
+        ax.set_ylabel(f"tau (running mean of {window} calls)")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main() -> None:
+    args = parse_args()
+    out_dir = Path(args.output_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(args.seed)
+    target, tokenizer = load_model(args.target_model, device="cpu", dtype="float32")
+    streams = build_streams(tokenizer, args)
+    references = plain_references(target, tokenizer, streams, args.max_new_tokens)
+    log = out_dir / "calls.jsonl"
+    done = {}
+    if log.exists():  # resume: runs already written are kept
+        for line in log.read_text().splitlines():
+            record = json.loads(line)
+            done[record["run"]] = record["calls"]
+    results = {}
+    for run in args.runs.split(","):
+        stream, drafter_name, policy = run.split("/")
+        if run not in done:
+            print(f"{run}: {len(streams[stream])} calls", flush=True)
+            calls = serve(target, tokenizer, streams[stream], drafter_name, policy, args, references)
+            with log.open("a") as f:
+                f.write(json.dumps({"run": run, "calls": calls}) + "\n")
+            done[run] = calls
+        results[run] = {"summary": summarise(done[run]), "calls": done[run]}
+    settings = {k: v for k, v in vars(args).items() if k != "output_dir"} | {"torch_threads": torch.get_num_threads()}
+    write_report(out_dir, results, settings)
+    print((out_dir / "results.md").read_text())
+
+
+if __name__ == "__main__":
+    main()
