@@ -114,6 +114,7 @@ def test_cli_trains_dflash_saves_decodes_and_resumes(workspace):  # noqa: F811
     assert len(losses) == 20 and sum(losses[-3:]) < sum(losses[:3]), losses
     logs = [e for e in json.loads((out / "trainer_state.json").read_text())["log_history"] if "loss" in e]
     assert {"acc_slot0", "acc_slot1", "ce_slot1", "accept_length"} <= logs[-1].keys()  # offsets 1 and 2
+    assert json.loads((out / "all_results.json").read_text())["train_tokens"] > 0  # counted from input_ids
     drafter = DFlashDraftModel.from_pretrained(out)
     assert drafter.config.architectures == ["DFlashDraftModel"] and drafter.config.block_size == 3
     assert drafter.config.mask_token_id == 127 and drafter.config.num_anchors == 8

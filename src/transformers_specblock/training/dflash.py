@@ -95,6 +95,8 @@ def dflash_block_stats(
 class DFlashDraftModelForTraining(DFlashDraftModel):
     """The DFlash drafter with the training pass as `forward` (same parameters as `DFlashDraftModel`)."""
 
+    main_input_name = "input_ids"  # what the Trainer counts as input tokens
+
     def __init__(self, config: DFlashConfig) -> None:
         super().__init__(config)
         self.loss_config = SpecBlockLossConfig()  # soft_labels is the switch DFlash reads
