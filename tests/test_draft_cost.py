@@ -96,3 +96,31 @@ def test_followup_blocks_and_slots_that_cannot_survive_are_not_drafted(seed):
     _grown_then_pruned_equals_grown_at_budget(
         lambda budget: get_candidate_generator(drafter, tree_budget=budget), [1, 2, 3, 5, 8, 13], features, tokens
     )
+
+
+def test_followup_positions_setting_reaches_the_drafting_loop():
+    """`followup_positions="block1"` (the SpecBlock reference's rule, set when its checkpoints load) drafts follow-up
+    blocks at block 1's rotary positions: other draft scores than "start_node" from the same weights, and decoding with
+    either stays plain greedy."""
+    from transformers_specblock.generation.candidate_generators import get_candidate_generator
+
+    target = make_target("llama", vocab_size=40, seed=3)
+    torch.manual_seed(3)
+    features, tokens = torch.randn(6, 3 * target.config.hidden_size), torch.randint(0, 40, (6,))
+    trees, outputs = {}, {}
+    prompt = torch.randint(0, 40, (1, 7))
+    plain = target.generate(prompt, max_new_tokens=12, do_sample=False)
+    for rule in ("start_node", "block1"):
+        drafter = make_drafter(target, block_size=3, max_blocks=3, tree_policy="fixed", fixed_width=2,
+                               followup_positions=rule)  # fmt: skip
+        drafter.bind_target(target)
+        generator = get_candidate_generator(drafter, tree_budget=30)
+        generator.observe(features, tokens, first_position=1)
+        with torch.no_grad():
+            trees[rule] = generator.draft_tree(tokens).scores
+        outputs[rule] = target.generate(prompt, assistant_model=drafter, max_new_tokens=12, do_sample=False)
+    block1 = 1 + 3 * 2  # the root and block 1's nodes are the same, the follow-up blocks' scores are not
+    torch.testing.assert_close(trees["start_node"][:block1], trees["block1"][:block1])
+    assert not torch.equal(trees["start_node"][block1:], trees["block1"][block1:])
+    for rule in outputs:
+        assert outputs[rule].tolist() == plain.tolist()

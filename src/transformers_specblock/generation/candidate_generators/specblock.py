@@ -140,7 +140,7 @@ class SpecBlockCandidateGenerator(TreeCandidateGenerator):
             out = self.drafter.draft_blocks(
                 rnd.hidden[b, s][None],
                 tree.tokens[chosen][None],
-                (self.root_position + tree.depths[chosen])[None],
+                self.drafter.followup_start_positions(self.root_position, tree.depths[chosen])[None],
                 followup_block_mask(inherited, num_slots, self.committed_entries - k_slots)[None],
                 self.cache,
                 num_slots=num_slots,
