@@ -125,6 +125,8 @@ def test_save_and_auto_load_round_trip(tmp_path, one_thread):
     drafter.save_pretrained(tmp_path)
     loaded = AutoModel.from_pretrained(tmp_path)
     assert isinstance(loaded, DFlashDraftModel) and loaded.config.mask_token_id == 127
+    card = (tmp_path / "README.md").read_text()  # the generated card says what a DFlash drafter reads
+    assert "reads the outputs of target layers [1, 3], its input embedding and its `lm_head`" in card
     plain = target.generate(PROMPTS[0], do_sample=False, max_new_tokens=20)
     for speculation_type in (None, "dflash"):
         out = target.generate(PROMPTS[0], do_sample=False, max_new_tokens=20, assistant_model=loaded,

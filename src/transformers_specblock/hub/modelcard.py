@@ -78,6 +78,11 @@ def model_card_from_config(config: Any, cls: str, num_params: int, repo_id: str 
         license=training.get("license"),
     )
     tree = {k: getattr(config, k) for k in TREE_SETTINGS if hasattr(config, k)}
+    reads = (  # a DFlash drafter names decoder layers whose outputs it reads, and uses the target's lm_head
+        f"the outputs of target layers {config.target_layer_ids}, its input embedding and its `lm_head`"
+        if config.model_type == "dflash_drafter"
+        else f"three hidden states of the frozen target (layers {config.target_layer_ids})\nand its input embedding"
+    )
     content = f"""---
 {card_data.to_yaml()}
 ---
@@ -85,8 +90,7 @@ def model_card_from_config(config: Any, cls: str, num_params: int, repo_id: str 
 # {repo_id or cls + " for " + target}
 
 A speculative-decoding drafter (`{cls}`, model type {config.model_type}) for **{target}**, made with
-`transformers-specblock`. It reads three hidden states of the frozen target (layers {config.target_layer_ids})
-and its input embedding (not stored here), and drafts token trees that the target verifies in one forward:
+`transformers-specblock`. It reads {reads} (not stored here), and drafts token trees that the target verifies in one forward:
 output stays exactly the target's own (greedy) or its distribution (sampling).
 
 - Parameters (without the target embedding): {num_params / 1e6:.1f} M; draft vocabulary
