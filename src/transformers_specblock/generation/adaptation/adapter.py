@@ -106,18 +106,19 @@ class OnlineAdapter:
             self._score_pending(new_tokens, decode_seconds, tau)
         self.recent_tau.append(tau)
         action = self.choose_action()
-        samples = self.updater.samples_for(action, self.buffer, self.body_version) if action != SKIP else []
-        if not samples:
-            action = SKIP
         snapshot, seconds = None, 0.0
         if action != SKIP:
             self.drafter.remember_loaded_weights()
             snapshot = {n: p.detach().clone() for n, p in self._named(action)}
             sync(self.drafter.device)
             start = time.perf_counter()
-            self.report.loss = self.updater.update(action, samples)
+            loss = self.updater.update(action, self.buffer, self.body_version)
             sync(self.drafter.device)
             seconds = time.perf_counter() - start
+            if loss is None:  # no signal: nothing was changed
+                action, snapshot, seconds = SKIP, None, 0.0
+            else:
+                self.report.loss = loss
             if action == FULL:
                 self.body_version += 1  # stored states of earlier samples no longer match the body
         reference = sum(self.recent_tau) / len(self.recent_tau)

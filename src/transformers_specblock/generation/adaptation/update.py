@@ -3,7 +3,7 @@ top-k at the signal's positions, with a small Adam step.
 
 - "head_only" trains the output side (`lm_head`, and the rank head where the drafter has one) on the stored drafter
   states: no drafter forward, an order of magnitude cheaper than
-- "full", which trains every drafter weight by replaying the samples' committed contexts (the last
+- "full", which also trains every drafter weight by replaying the samples' committed contexts (the last
   `adaptation_context` positions before each sample's root) through the drafter with gradients.
 The rank head learns the class of the target's top token's rank under the updated draft distribution (plain cross
 entropy; the training loss's distance weighting lives in `training`, which generation may not import).
@@ -19,11 +19,11 @@ from transformers import DynamicCache
 from ...models.eagle3.modeling_eagle3 import Eagle3DraftModel
 from ...models.specblock.modeling_specblock import SpecBlockDraftModel, block_causal_mask
 from ...models.tree_drafter.modeling_tree_drafter import TreeDraftModel
-from .signal import SignalSample
+from .signal import SignalBuffer, SignalSample
 
 HEAD_ONLY, FULL = "head_only", "full"
-HEAD_STEPS, HEAD_BATCH = 4, 64  # Adam steps per output-side update, newest samples per step
-FULL_STEPS, FULL_BATCH = 2, 16  # Adam steps per whole-drafter update, newest replayable samples per step
+HEAD_STEPS, HEAD_BATCH = 4, 64  # Adam steps per update, newest stored states per step (output side)
+FULL_STEPS, FULL_BATCH = 4, 16  # Adam steps per whole-drafter update, newest replayable samples per step
 
 
 def output_parameters(drafter: TreeDraftModel) -> list[nn.Parameter]:
@@ -137,27 +137,27 @@ class DrafterUpdater:
     def reset(self) -> None:
         self.optimizers.clear()
 
-    def samples_for(self, action: str, buffer, body_version: int) -> list[SignalSample]:
-        if action == HEAD_ONLY:
-            return buffer.for_head(body_version, HEAD_BATCH)
-        return buffer.for_replay(FULL_BATCH)
-
-    def update(self, action: str, samples: list[SignalSample]) -> float:
-        """Train on `samples`; returns the mean loss of the first step (nan with no samples)."""
-        if not samples:
-            return float("nan")
+    def update(self, action: str, buffer: SignalBuffer, body_version: int) -> float | None:
+        """Train on the buffer: head-only on the newest states the current body computed; full on those too (the
+        output side) plus the newest replayable samples (every weight). Returns the first step's loss, or None
+        when there is nothing to learn from (nothing is changed then)."""
+        head = buffer.for_head(body_version, HEAD_BATCH)
+        replay = buffer.for_replay(FULL_BATCH) if action == FULL else []
+        if not head and not replay:
+            return None
         params = trainable_parameters(self.drafter, action)
         optimizer = self.optimizers.get(action)
         if optimizer is None or optimizer.param_groups[0]["lr"] != self.learning_rate:
             optimizer = self.optimizers[action] = torch.optim.Adam(params, lr=self.learning_rate)
-        stored = torch.stack([s.state for s in samples]).to(self.drafter.device, self.drafter.dtype)
-        first_loss = float("nan")
+        stored = torch.stack([s.state for s in head]).to(self.drafter.device, self.drafter.dtype) if head else None
+        first_loss = None
         was_training = self.drafter.training
         self.drafter.train(False)  # dropout-free: the drafter keeps drafting in eval mode
         with torch.enable_grad():
             for step in range(HEAD_STEPS if action == HEAD_ONLY else FULL_STEPS):
-                states = stored if action == HEAD_ONLY else replay_states(self.drafter, samples)
-                loss = adaptation_loss(self.drafter, samples, states)
+                loss = adaptation_loss(self.drafter, head, stored) if head else 0.0
+                if replay:
+                    loss = loss + adaptation_loss(self.drafter, replay, replay_states(self.drafter, replay))
                 self.drafter.zero_grad(set_to_none=True)
                 loss.backward()
                 optimizer.step()
