@@ -57,7 +57,8 @@ class DFlashCandidateGenerator(TreeCandidateGenerator):
     `observe` only keeps the newly committed positions' target features; `grow_tree` runs ONE drafter forward over
     them (their keys / values join the drafter cache for good) and the block [root, mask, ..., mask] at rotary
     positions root .. root + block_size - 1 (its entries are cropped afterwards), takes the `top_k` candidates of
-    every masked position from the target's `lm_head` and builds the best-first tree of `tree_budget` nodes.
+    masked position down to depth `tree_budget` (no deeper node can be kept) from the target's `lm_head` and builds
+    the best-first tree of `tree_budget` nodes.
     The block is drafted once, without seeing the tree: every node at depth d draws on position d's candidates.
     """
 
@@ -105,7 +106,8 @@ class DFlashCandidateGenerator(TreeCandidateGenerator):
             past_key_values=self.cache,
         )
         truncate_cache(self.cache, root_position)  # keep the context, drop the block
-        log_probs = drafter.draft_logits(out.last_hidden_state[0, 1:]).float().log_softmax(-1)  # [D, V]
+        depth = min(self.depth, self.tree_budget)  # a tree of n nodes is at most n deep: deeper logits go unused
+        log_probs = drafter.draft_logits(out.last_hidden_state[0, 1 : depth + 1]).float().log_softmax(-1)  # [D, V]
         top_lp, top_ids = log_probs.topk(min(self.top_k, log_probs.shape[-1]), dim=-1)
         tree = best_first_tree(root_token, top_lp, top_ids, self.tree_budget, device)
         self.stats.blocks_per_iteration.append(1)
