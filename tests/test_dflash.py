@@ -194,7 +194,8 @@ def test_benchmark_methods_dflash_and_dflash_chain(tmp_path, one_thread):
 
     target = make_target("llama", vocab_size=24, seed=2)
     make_dflash(target, mask_token_id=23).save_pretrained(tmp_path / "dflash")
-    args = BenchArguments(target_model="tiny", methods="plain,dflash@6,dflash_chain", dflash_model=str(tmp_path / "dflash"))
+    folder = str(tmp_path / "dflash")
+    args = BenchArguments(target_model="tiny", methods="plain,dflash@6,dflash_chain", dflash_model=folder)
     methods = build_methods(args, target)
     assert [m.name for m in methods] == ["dflash@6", "dflash_chain"] and methods[0].tree_settings == {"tree_budget": 6}
     assert methods[0].generate_kwargs["assistant_model"] is methods[1].generate_kwargs["assistant_model"]

@@ -40,15 +40,16 @@ def published_weights(hidden: int, seed: int = 0) -> dict[str, torch.Tensor]:
         return torch.randn(*shape, generator=g) * 0.15
 
     state = {"fc.weight": w(hidden, 2 * hidden), "hidden_norm.weight": 1 + w(hidden), "norm.weight": 1 + w(hidden)}
+    shapes = {
+        "self_attn.q_proj": (HEADS * HEAD_DIM, hidden), "self_attn.k_proj": (KV_HEADS * HEAD_DIM, hidden),
+        "self_attn.v_proj": (KV_HEADS * HEAD_DIM, hidden), "self_attn.o_proj": (hidden, HEADS * HEAD_DIM),
+        "mlp.gate_proj": (96, hidden), "mlp.up_proj": (96, hidden), "mlp.down_proj": (hidden, 96),
+    }  # fmt: skip
+    norms = {"self_attn.q_norm": HEAD_DIM, "self_attn.k_norm": HEAD_DIM, "input_layernorm": hidden,
+             "post_attention_layernorm": hidden}  # fmt: skip
     for i in range(LAYERS):
-        p = f"layers.{i}."
-        state |= {
-            p + "self_attn.q_proj.weight": w(HEADS * HEAD_DIM, hidden), p + "self_attn.k_proj.weight": w(KV_HEADS * HEAD_DIM, hidden),
-            p + "self_attn.v_proj.weight": w(KV_HEADS * HEAD_DIM, hidden), p + "self_attn.o_proj.weight": w(hidden, HEADS * HEAD_DIM),
-            p + "self_attn.q_norm.weight": 1 + w(HEAD_DIM), p + "self_attn.k_norm.weight": 1 + w(HEAD_DIM),
-            p + "input_layernorm.weight": 1 + w(hidden), p + "post_attention_layernorm.weight": 1 + w(hidden),
-            p + "mlp.gate_proj.weight": w(96, hidden), p + "mlp.up_proj.weight": w(96, hidden), p + "mlp.down_proj.weight": w(hidden, 96),
-        }  # fmt: skip
+        state |= {f"layers.{i}.{name}.weight": w(*shape) for name, shape in shapes.items()}
+        state |= {f"layers.{i}.{name}.weight": 1 + w(size) for name, size in norms.items()}
     return state
 
 
@@ -98,7 +99,7 @@ def test_published_checkpoint_loads_strictly_and_computes_dflash(tmp_path):
     folder = write(tmp_path / "pub", published_config(target), state)
     drafter = DFlashDraftModel.from_pretrained(folder, target=target, tree_budget=8)
     assert drafter.config.target_layer_ids == [0, 2] and drafter.config.feature_layers == [1, 3]
-    assert drafter.config.mask_token_id == 127 and drafter.config.block_size == 4 and drafter.config.head_dim == HEAD_DIM
+    assert (drafter.config.mask_token_id, drafter.config.block_size, drafter.config.head_dim) == (127, 4, HEAD_DIM)
     context = torch.randn(5, 2 * target.config.hidden_size)
     noise = drafter.embed_block(torch.tensor([9]))
     with torch.no_grad():

@@ -90,8 +90,8 @@ def test_training_loss_equals_block_by_block_inference(soft_labels):
                     continue
                 block = torch.tensor([[int(input_ids[b, a])] + [63] * 3])
                 plain = DFlashDraftModel.forward(  # the inference forward, one block, no other block in sight
-                    drafter, noise_embeds=drafter.embed_target_tokens(block), context_hidden_states=features[b : b + 1, :a],
-                    position_ids=torch.arange(a + 4)[None],
+                    drafter, noise_embeds=drafter.embed_target_tokens(block),
+                    context_hidden_states=features[b : b + 1, :a], position_ids=torch.arange(a + 4)[None],
                 ).last_hidden_state[0]  # fmt: skip
                 log_q = drafter.draft_logits(plain).float().log_softmax(-1)  # [bs, V]
                 for k in range(1, 4):
@@ -125,9 +125,10 @@ def test_cli_trains_dflash_saves_decodes_and_resumes(workspace):  # noqa: F811
     prompt = torch.tensor([[2, 5, 40, 41, 42]])
     plain = target.generate(prompt, do_sample=False, max_new_tokens=16)
     with drafter.tree_settings(tree_budget=4):
-        assert target.generate(prompt, do_sample=False, max_new_tokens=16, assistant_model=drafter).tolist() == plain.tolist()
-    chain = target.generate(prompt, do_sample=False, max_new_tokens=16, assistant_model=drafter, speculation_type="dflash")
-    assert chain.tolist() == plain.tolist()
+        tree = target.generate(prompt, do_sample=False, max_new_tokens=16, assistant_model=drafter)
+    chain = target.generate(prompt, do_sample=False, max_new_tokens=16, assistant_model=drafter,
+                            speculation_type="dflash")  # fmt: skip
+    assert tree.tolist() == plain.tolist() and chain.tolist() == plain.tolist()
 
     # resume: steps 3-4 after a restart from checkpoint-2 equal the uninterrupted run's (anchors included)
     full, resumed = workspace["root"] / "dflash_full", workspace["root"] / "dflash_resumed"
@@ -135,7 +136,8 @@ def test_cli_trains_dflash_saves_decodes_and_resumes(workspace):  # noqa: F811
     train_main(common_args(workspace, full, *args, *dflash))
     resumed.mkdir()
     shutil.copytree(full / "checkpoint-2", resumed / "checkpoint-2")
-    train_main(common_args(workspace, resumed, *args, *dflash, "--resume_from_checkpoint", str(resumed / "checkpoint-2")))
+    resume = ["--resume_from_checkpoint", str(resumed / "checkpoint-2")]
+    train_main(common_args(workspace, resumed, *args, *dflash, *resume))
     assert logged_losses(resumed)[-2:] == pytest.approx(logged_losses(full)[-2:], rel=1e-5)
     a, b = load_file(full / "model.safetensors"), load_file(resumed / "model.safetensors")
     for key in a:

@@ -196,8 +196,12 @@ class DFlashTrainer(SpecBlockTrainer):
 
 def build_dflash_drafter(model_args: ModelArguments, target: PreTrainedModel) -> DFlashDraftModelForTraining:
     """A new DFlash drafter for `target` from the command's arguments, or the `--init_drafter` one (checked)."""
-    for option, value in (("--ttt_steps", model_args.ttt_steps), ("--fusion_identity_init", model_args.fusion_identity_init),
-                          ("--draft_vocab_size", model_args.draft_vocab_size)):  # fmt: skip
+    other_drafters = {
+        "--ttt_steps": model_args.ttt_steps,
+        "--fusion_identity_init": model_args.fusion_identity_init,
+        "--draft_vocab_size": model_args.draft_vocab_size,
+    }
+    for option, value in other_drafters.items():
         if value:
             raise ValueError(f"{option} is not a DFlash setting (DFlash drafts over the target's full vocabulary).")
     requested = {

@@ -96,7 +96,9 @@ class DFlashConfig(TreeDrafterConfig):
         """Raise a ValueError naming the first inconsistent setting."""
         super().validate_settings()
         if not isinstance(self.block_size, int) or self.block_size < 2:
-            raise ValueError(f"block_size must be an int >= 2 (the anchor and at least one mask), got {self.block_size!r}.")
+            raise ValueError(
+                f"block_size must be an int >= 2 (the anchor and at least one mask), got {self.block_size!r}."
+            )
         if self.mask_token_id is None:
             raise ValueError(
                 "A DFlash drafter needs mask_token_id: the id of a target token whose embedding marks a masked block "
@@ -111,8 +113,9 @@ class DFlashConfig(TreeDrafterConfig):
                 f"({self.hidden_size}) must equal the target's ({self.target_hidden_size})."
             )
         if self.draft_vocab_size != self.vocab_size:
-            raise ValueError("A DFlash drafter drafts over the target's full vocabulary (draft_vocab_size = vocab_size).")
-        if any(kind != "full_attention" for kind in self.layer_types) or len(self.layer_types) != self.num_hidden_layers:
+            raise ValueError("A DFlash drafter drafts over the target's full vocabulary (draft_vocab_size=vocab_size).")
+        kinds = self.layer_types
+        if len(kinds) != self.num_hidden_layers or any(kind != "full_attention" for kind in kinds):
             raise ValueError(
                 f"layer_types must be 'full_attention' for each of the {self.num_hidden_layers} layers (sliding-window "
                 f"DFlash layers are not supported), got {self.layer_types}."

@@ -56,30 +56,36 @@ def dflash_config_from(
     def value(name: str, default: Any = None) -> Any:
         return draft.get(name, config.get(name, default))
 
-    for name, neutral in (("output_multiplier", 1.0), ("final_logit_softcapping", None), ("input_embedding_scale", 1.0)):
+    neutral_values = {"output_multiplier": 1.0, "final_logit_softcapping": None, "input_embedding_scale": 1.0}
+    for name, neutral in neutral_values.items():
         if value(name, neutral) not in (neutral, 0, 0.0):
             raise ValueError(f"{source}: dflash_config.{name}={value(name)} is not supported (plain DFlash has none).")
     layer_types = config.get("layer_types") or ["full_attention"] * config["num_hidden_layers"]
     if config.get("use_sliding_window") or any(kind != "full_attention" for kind in layer_types):
         raise ValueError(f"{source}: sliding-window drafter layers ({layer_types}) are not supported.")
     if config.get("is_causal"):
-        raise ValueError(f"{source}: is_causal=true (causal drafter attention) is not supported; DFlash is bidirectional.")
+        raise ValueError(
+            f"{source}: is_causal=true (causal drafter attention) is not supported: DFlash attends bidirectionally."
+        )
     mask_token_id = value("mask_token_id")
     if mask_token_id is None:
-        raise ValueError(f"{source}: dflash_config.mask_token_id is missing; pass mask_token_id=<id> to from_pretrained.")
+        raise ValueError(f"{source}: dflash_config.mask_token_id is missing; pass mask_token_id=<id> to load it.")
     text = target_config.get_text_config()
     num_target_layers = config.get("num_target_layers", text.num_hidden_layers)
-    checks = (("hidden_size", config["hidden_size"], text.hidden_size), ("vocab_size", config["vocab_size"], text.vocab_size),
-              ("num_target_layers", num_target_layers, text.num_hidden_layers))  # fmt: skip
+    checks = (
+        ("hidden_size", config["hidden_size"], text.hidden_size),
+        ("vocab_size", config["vocab_size"], text.vocab_size),
+        ("num_target_layers", num_target_layers, text.num_hidden_layers),
+    )
     for name, theirs, target_value in checks:
         if theirs != target_value:
             raise ValueError(
                 f"{source}: the checkpoint has {name}={theirs}, but the target has {target_value}: it was trained for "
                 "another target model."
             )
-    heads = config["num_attention_heads"]
+    heads, layers = config["num_attention_heads"], config["num_hidden_layers"]
     settings = {
-        "num_hidden_layers": config["num_hidden_layers"],
+        "num_hidden_layers": layers,
         "num_attention_heads": heads,
         "num_key_value_heads": config.get("num_key_value_heads", heads),
         "head_dim": config.get("head_dim") or config["hidden_size"] // heads,
@@ -89,7 +95,7 @@ def dflash_config_from(
         "rope_parameters": rope_parameters_from(config, source),
         "max_position_embeddings": config.get("max_position_embeddings", text.max_position_embeddings),
         "attention_bias": config.get("attention_bias", False),
-        "target_layer_ids": value("target_layer_ids") or dflash_target_layer_ids(num_target_layers, config["num_hidden_layers"]),
+        "target_layer_ids": value("target_layer_ids") or dflash_target_layer_ids(num_target_layers, layers),
         "block_size": int(value("block_size", 16)),
         "mask_token_id": int(mask_token_id),
     }
