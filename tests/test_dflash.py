@@ -154,6 +154,8 @@ def test_bad_settings_are_refused():
     with pytest.raises(ValueError, match="tree_budget=7 exceeds the 6 nodes"):
         get_candidate_generator(drafter, tree_budget=7)
     assert isinstance(get_candidate_generator(drafter, tree_budget=6), DFlashCandidateGenerator)
+    with pytest.raises(ValueError, match="tree_budget=5 exceeds the 2 nodes .* top_k=1"):  # an explicit top_k counts
+        get_candidate_generator(drafter, tree_budget=5, top_k=1)
 
 
 def test_default_target_layers_follow_dflash():

@@ -9,6 +9,7 @@ import time
 import torch
 from transformers import DynamicCache
 
+from ...models.dflash.configuration_dflash import max_tree_nodes
 from ...models.dflash.modeling_dflash import DFlashDraftModel
 from ..cache_utils import truncate_cache
 from ..tree import DraftTree
@@ -57,7 +58,7 @@ class DFlashCandidateGenerator(TreeCandidateGenerator):
     `observe` only keeps the newly committed positions' target features; `grow_tree` runs ONE drafter forward over
     them (their keys / values join the drafter cache for good) and the block [root, mask, ..., mask] at rotary
     positions root .. root + block_size - 1 (its entries are cropped afterwards), takes the `top_k` candidates of
-    masked position down to depth `tree_budget` (no deeper node can be kept) from the target's `lm_head` and builds
+    every masked position down to depth `tree_budget` (no deeper node can be kept) from the target's `lm_head` and builds
     the best-first tree of `tree_budget` nodes.
     The block is drafted once, without seeing the tree: every node at depth d draws on position d's candidates.
     """
@@ -69,11 +70,11 @@ class DFlashCandidateGenerator(TreeCandidateGenerator):
         self.depth = config.block_size - 1
         if self.top_k < 1 or self.tree_budget < 1:
             raise ValueError(f"Need top_k >= 1 and tree_budget >= 1, got {self.top_k} and {self.tree_budget}.")
-        if self.tree_budget > config.max_tree_size:
+        largest = max_tree_nodes(self.depth, self.top_k)
+        if self.tree_budget > largest:
             raise ValueError(
-                f"tree_budget={self.tree_budget} exceeds the {config.max_tree_size} nodes a DFlash block of "
-                f"{config.block_size} with top_k={config.tree_top_k} can hold: raise block_size or tree_top_k, or "
-                "lower tree_budget."
+                f"tree_budget={self.tree_budget} exceeds the {largest} nodes a DFlash block of {config.block_size} "
+                f"with top_k={self.top_k} can hold: raise block_size or tree_top_k, or lower tree_budget."
             )
         self.cache = DynamicCache()
         self.pending: list[torch.Tensor] = []  # context features not read by the drafter yet, [P, L * H_target] each
