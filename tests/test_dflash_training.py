@@ -104,6 +104,10 @@ def test_training_loss_equals_block_by_block_inference(soft_labels):
                     counted += 1
     assert out.loss.item() == pytest.approx(total / weight_sum, rel=1e-4)
     assert out.stats[3].item() == counted  # "tokens": counted offsets
+    # a batch without a supervised token pair: loss 0, and the backward pass still reaches the parameters
+    empty = drafter(input_ids, attention_mask, torch.zeros_like(loss_mask), features, final, argmax)
+    empty.loss.backward()
+    assert empty.loss.item() == 0.0 and drafter.fc.weight.grad is not None and empty.stats[3].item() == 0
 
 
 def test_cli_trains_dflash_saves_decodes_and_resumes(workspace):  # noqa: F811

@@ -118,6 +118,11 @@ class DFlashDraftModelForTraining(DFlashDraftModel):
         block, (batch, seq_len) = config.block_size, input_ids.shape
         anchors, keep = sample_anchors(loss_mask.to(device), config.num_anchors)
         n = anchors.shape[1]
+        if n == 0:  # no supervised token pair in the batch: a zero loss that still reaches every parameter (DDP)
+            zero = sum(p.sum() for p in self.parameters() if p.requires_grad) * 0.0
+            empty = torch.zeros(batch, 0, block - 1, device=device)
+            stats = dflash_block_stats(empty.bool(), empty.bool(), empty, zero)
+            return SpecBlockTrainingOutput(loss=zero, loss_draft=zero.detach(), loss_rank=torch.zeros(()), stats=stats)
         offsets = torch.arange(block, device=device)
         label_pos = anchors[..., None] + offsets  # [B, N, bs]: offset k predicts the token at a + k
         noise_ids = torch.full_like(label_pos, config.mask_token_id)
