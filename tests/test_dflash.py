@@ -209,3 +209,16 @@ def test_benchmark_methods_dflash_and_dflash_chain(tmp_path, one_thread):
     assert all(r.identical_to_reference for r in results.prompts)
     rows = {r.method: r for r in results.prompts}
     assert rows["dflash@6"].tau is not None and rows["dflash@6"].nodes_verified > 0 and rows["dflash_chain"].tau is None
+
+
+def test_left_padded_prompt_in_both_paths(one_thread):
+    """A left-padded prompt: transformers' chain passes a 2D mask with zeros (turned into a 4D one); our loop drops
+    the padding from the context. Both equal plain greedy."""
+    target = make_target("llama", vocab_size=128)
+    drafter = make_dflash(target)
+    ids, mask = torch.tensor([[0, 0, 5, 9, 17, 3]]), torch.tensor([[0, 0, 1, 1, 1, 1]])
+    plain = target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=30)
+    for speculation_type in (None, "dflash"):
+        out = target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=30, assistant_model=drafter,
+                              speculation_type=speculation_type)  # fmt: skip
+        assert out.tolist() == plain.tolist()
