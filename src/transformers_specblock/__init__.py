@@ -1,8 +1,8 @@
 """SpecBlock: block-iterative tree speculative decoding inside Hugging Face transformers' `generate`.
 
 Importing the package registers the drafter configs / models with the Auto classes and routes
-`generate(assistant_model=<TreeDraftModel>)` (a SpecBlock or EAGLE-3 drafter, or the drafter-less lookup tree) to
-the tree decoding loop. Every other
+`generate(assistant_model=<TreeDraftModel>)` (a SpecBlock, EAGLE-3 or DFlash drafter, or the drafter-less lookup
+tree) to the tree decoding loop; with a `speculation_type` (e.g. "dflash") transformers' own path runs. Every other
 assistant, and no assistant, keeps transformers' stock behaviour; `uninstall()` restores the stock methods.
 
 Layout (imports flow one way): `utils` <- `hub` <- `models` <- `generation` <- `training` <- `commands`.
