@@ -119,7 +119,10 @@ def _hand_tree() -> tuple[DraftTree, SimpleNamespace]:
     context = (torch.zeros(3, 6), torch.tensor([1, 2, 3]), torch.tensor([1, 2, 3]))  # ends at the root token 3
     generator = SimpleNamespace(
         drafted=tree,
-        producers=[(torch.tensor([1, 2]), states[[0, 0]], torch.tensor([0, 0])), (torch.tensor([3, 4]), states[[1, 1]], None)],
+        producers=[
+            (torch.tensor([1, 2]), states[[0, 0]], torch.tensor([0, 0])),  # the root's own output: replayable
+            (torch.tensor([3, 4]), states[[1, 1]], None),
+        ],
         context=context,
     )
     return tree, generator
@@ -133,14 +136,16 @@ def test_signal_follows_the_accepted_path_to_the_first_rejected_position():
     samples = collect_signal(generator, tree, torch.tensor([1, 4]), torch.tensor([11]), logits, to_draft, 3, 0)
     assert len(samples) == 2
     assert [s.wrong for s in samples] == [False, True]
-    assert torch.equal(samples[0].state, torch.tensor([0.0, 1.0])) and torch.equal(samples[1].state, torch.tensor([2.0, 3.0]))
+    assert torch.equal(samples[0].state, torch.tensor([0.0, 1.0]))
+    assert torch.equal(samples[1].state, torch.tensor([2.0, 3.0]))
     for sample, row in zip(samples, [0, 1]):  # the target's top-3 at the row of the path node before
         probs, ids = logits[row].softmax(-1).topk(3)
         assert torch.equal(sample.target_ids, ids) and torch.allclose(sample.target_probs, probs)
     assert (samples[0].slot, samples[1].slot) == (0, -1)  # only the root's own output replays
     assert samples[0].context is generator.context and samples[1].context is None
     # nothing accepted, bonus 7: the first rejected position; the drafter's best (5) was wrong
-    (only,) = collect_signal(generator, tree, torch.tensor([], dtype=torch.long), torch.tensor([7]), logits, to_draft, 3, 0)
+    nothing = torch.tensor([], dtype=torch.long)
+    (only,) = collect_signal(generator, tree, nothing, torch.tensor([7]), logits, to_draft, 3, 0)
     assert only.wrong
 
 
@@ -151,7 +156,9 @@ def test_draft_vocabulary_mapping_marks_missing_ids():
 
 def test_buffer_is_bounded():
     target = make_target("llama", vocab_size=VOCAB, seed=1)
-    drafter = _drafter("specblock", target, online_adaptation="head_only", adaptation_buffer_size=10, adaptation_top_k=5)
+    drafter = _drafter(
+        "specblock", target, online_adaptation="head_only", adaptation_buffer_size=10, adaptation_top_k=5
+    )
     _serve(target, drafter, calls=3)
     buffer = online_adapter_for(drafter).buffer
     assert len(buffer) == 10 and drafter.last_stats.adaptation_signal > 10
@@ -217,7 +224,9 @@ def test_bandit_skips_when_updates_cost_more_than_they_buy():
     assert taken[-30:].count(FULL) >= 20
 
 
-@pytest.mark.parametrize("policy,first", [("always", FULL), ("head_only", HEAD_ONLY), ("full", FULL), ("bandit", HEAD_ONLY)])
+@pytest.mark.parametrize(
+    "policy,first", [("always", FULL), ("head_only", HEAD_ONLY), ("full", FULL), ("bandit", HEAD_ONLY)]
+)
 def test_each_policy_takes_its_action(policy, first):
     target = make_target("llama", vocab_size=VOCAB, seed=1)
     drafter = _drafter("specblock", target, online_adaptation=policy)
@@ -286,8 +295,9 @@ def test_bad_settings_are_refused():
     with pytest.raises(ValueError, match="online_adaptation must be one of .*'off'.*got 'sometimes'"):
         _drafter("specblock", target, online_adaptation="sometimes")
     drafter = _drafter("specblock", target)
-    with pytest.raises(ValueError, match="online_adaptation must be one of"), drafter.tree_settings(online_adaptation="on"):
-        pass
+    with pytest.raises(ValueError, match="online_adaptation must be one of"):
+        with drafter.tree_settings(online_adaptation="on"):
+            pass
     with pytest.raises(ValueError, match="adaptation_learning_rate must be a float > 0"):
         _drafter("specblock", target, adaptation_learning_rate=0.0)
     with pytest.raises(ValueError, match="adaptation_buffer_size must be an int >= 1"):

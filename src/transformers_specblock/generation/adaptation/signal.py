@@ -113,7 +113,7 @@ def collect_signal(
         slot = int(slots[index]) if replayable else -1
         samples.append(
             SignalSample(
-                state=states[index],
+                state=states[index].clone(),  # not a view: the tree's other states are freed
                 target_ids=to_draft[ids[depth].to(to_draft.device)],
                 target_probs=probs[depth],
                 wrong=int(drafted.tokens[best]) != token,

@@ -24,6 +24,7 @@ from .signal import SignalBuffer, SignalSample
 HEAD_ONLY, FULL = "head_only", "full"
 HEAD_STEPS, HEAD_BATCH = 4, 64  # Adam steps per update, newest stored states per step (output side)
 FULL_STEPS, FULL_BATCH = 4, 16  # Adam steps per whole-drafter update, newest replayable samples per step
+BODY_LR_SCALE = 0.1  # the body's learning rate relative to the output side's (at 1x a full update lowered tau)
 
 
 def output_parameters(drafter: TreeDraftModel) -> list[nn.Parameter]:
@@ -141,21 +142,28 @@ class DrafterUpdater:
         """Train on the buffer: head-only on the newest states the current body computed; full on those too (the
         output side) plus the newest replayable samples (every weight). Returns the first step's loss, or None
         when there is nothing to learn from (nothing is changed then)."""
-        head = buffer.for_head(body_version, HEAD_BATCH)
+        stored_samples = buffer.for_head(body_version, HEAD_BATCH)
         replay = buffer.for_replay(FULL_BATCH) if action == FULL else []
-        if not head and not replay:
+        if not stored_samples and not replay:
             return None
-        params = trainable_parameters(self.drafter, action)
         optimizer = self.optimizers.get(action)
         if optimizer is None or optimizer.param_groups[0]["lr"] != self.learning_rate:
-            optimizer = self.optimizers[action] = torch.optim.Adam(params, lr=self.learning_rate)
-        stored = torch.stack([s.state for s in head]).to(self.drafter.device, self.drafter.dtype) if head else None
+            head = output_parameters(self.drafter)
+            head_ids = {id(p) for p in head}
+            groups = [{"params": head, "lr": self.learning_rate}]
+            if action == FULL:
+                body = [p for p in self.drafter.parameters() if id(p) not in head_ids]
+                groups.append({"params": body, "lr": self.learning_rate * BODY_LR_SCALE})
+            optimizer = self.optimizers[action] = torch.optim.Adam(groups)
+        stored = None
+        if stored_samples:
+            stored = torch.stack([s.state for s in stored_samples]).to(self.drafter.device, self.drafter.dtype)
         first_loss = None
         was_training = self.drafter.training
         self.drafter.train(False)  # dropout-free: the drafter keeps drafting in eval mode
         with torch.enable_grad():
             for step in range(HEAD_STEPS if action == HEAD_ONLY else FULL_STEPS):
-                loss = adaptation_loss(self.drafter, head, stored) if head else 0.0
+                loss = adaptation_loss(self.drafter, stored_samples, stored) if stored_samples else 0.0
                 if replay:
                     loss = loss + adaptation_loss(self.drafter, replay, replay_states(self.drafter, replay))
                 self.drafter.zero_grad(set_to_none=True)
