@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from conftest import make_drafter, make_target
+from test_dflash import make_dflash
 from test_sampling_lossless import ALPHA, PROMPT, SAMPLING, exact_marginals, fit_pvalues
 from transformers_specblock import Eagle3DraftModel, LookupTreeModel, SpecBlockDraftModel
 from transformers_specblock.generation.adaptation import (
@@ -305,6 +306,9 @@ def test_bad_settings_are_refused():
     unbound = SpecBlockDraftModel(drafter.config)
     with pytest.raises(ValueError, match="needs a drafter bound to its target.*bind_target"):
         online_adapter_for(unbound)
+    dflash = make_dflash(target, online_adaptation="head_only")
+    with pytest.raises(ValueError, match="online_adaptation supports SpecBlock and EAGLE-3 drafters, not DFlash"):
+        target.generate(_prompt(0), assistant_model=dflash, max_new_tokens=4)
     lookup = LookupTreeModel.from_target(target, online_adaptation="bandit")
     with pytest.raises(ValueError, match="LookupTreeModel has no weights to adapt: set online_adaptation='off'"):
         target.generate(_prompt(0), assistant_model=lookup, max_new_tokens=4)

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ...models.eagle3.modeling_eagle3 import Eagle3DraftModel
+from ...models.specblock.modeling_specblock import SpecBlockDraftModel
 from ...models.tree_drafter.modeling_tree_drafter import TreeDraftModel
 from ...utils import sync
 from ..candidate_generators.base import TreeCandidateGenerator
@@ -166,6 +168,11 @@ def online_adapter_for(drafter: TreeDraftModel) -> OnlineAdapter:
         raise ValueError(
             f"{type(drafter).__name__} has no weights to adapt: set online_adaptation='off' (free candidates already "
             "learn their scores while serving)."
+        )
+    if not isinstance(drafter, (SpecBlockDraftModel, Eagle3DraftModel)):
+        raise ValueError(
+            f"online_adaptation supports SpecBlock and EAGLE-3 drafters, not {type(drafter).__name__}: set "
+            "online_adaptation='off' for it."
         )
     if drafter.__dict__.get("_target_embedding") is None:
         raise ValueError(
