@@ -10,6 +10,9 @@ across variants even when the machine is shared). Variants (``--variants`` picks
 * ``baseline``: the shipped SpecBlock recipe (K 4, 2 blocks, lr 7e-4 constant after 10 warm-up steps).
 * ``k1``: ``--block_size 1 --num_blocks 1``, the diagnosis: slot 0 alone, no follow-up block, no later slots.
   If slot 0 then learns as fast as EAGLE-3's, the gap is the loss; if not, the architecture.
+* ``one_block``: K 4 but block 1 only (``--num_blocks 1``): is it the follow-up block?
+* ``slot0_loss``: K 4, block 1 only, and only slot 0 in the draft loss (``--slot_decay 0``): is it the later slots'
+  loss, or the K-slot layout itself (slot 0 attending to the other slots' cache entries)?
 * ``identity``: ``--fusion_identity_init`` (features reach the decoder directly, as in EAGLE-3).
 * ``slot0norm``: ``--slot_normalization slot0``.
 * ``phases``: the reference's first phase and unlocking: the first half of the steps block 1 only and no rank
@@ -51,6 +54,8 @@ def variants(steps: int) -> dict[str, list[str]]:
     return {
         "baseline": SPECBLOCK,
         "k1": ["--block_size", "1", "--num_blocks", "1"],
+        "one_block": ["--block_size", "4", "--num_blocks", "1"],
+        "slot0_loss": ["--block_size", "4", "--num_blocks", "1", "--slot_decay", "0"],
         "identity": SPECBLOCK + ["--fusion_identity_init"],
         "slot0norm": SPECBLOCK + ["--slot_normalization", "slot0"],
         "phases": SPECBLOCK
