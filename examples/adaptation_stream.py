@@ -103,10 +103,13 @@ def serve(target, tokenizer, stream: list[dict], drafter_name: str, policy: str,
             "seconds": seconds, "plain_seconds": references[row["id"]]["seconds"], "tau": stats.tau,
             "action": stats.adaptation_action, "update_s": stats.adaptation_time_s,
             "signal": stats.adaptation_signal, "signal_wrong": stats.adaptation_signal_wrong,
-            "rolled_back": stats.adaptation_rolled_back, "identical": new == references[row["id"]]["tokens"],
+            "rolled_back": stats.adaptation_rolled_back, "restored_loaded": stats.adaptation_restored_loaded,
+            "identical": new == references[row["id"]]["tokens"],
         })  # fmt: skip
         print(f"  call {index:2d} {row['domain']:8s} tau {stats.tau:.2f} {len(new) / seconds:5.1f} tok/s "
-              f"{stats.adaptation_action:9s} update {stats.adaptation_time_s:.2f}s", flush=True)  # fmt: skip
+              f"{stats.adaptation_action:9s} update {stats.adaptation_time_s:.2f}s"
+              f"{' rolled back' if stats.adaptation_rolled_back else ''}"
+              f"{' loaded head back' if stats.adaptation_restored_loaded else ''}", flush=True)  # fmt: skip
     return rows
 
 
@@ -124,6 +127,7 @@ def summarise(rows: list[dict]) -> dict:
         "tau_last_third": mean(rows[-third:]), "tokens_per_s": tokens / seconds,
         "plain_tokens_per_s": tokens / plain, "update_share": sum(r["update_s"] for r in rows) / seconds,
         "actions": actions, "rollbacks": sum(r["rolled_back"] for r in rows),
+        "restored_loaded": sum(r.get("restored_loaded", False) for r in rows),
         "identical": all(r["identical"] for r in rows),
     }  # fmt: skip
 
@@ -132,7 +136,7 @@ def write_report(out_dir: Path, results: dict[str, dict], settings: dict) -> Non
     (out_dir / "results.json").write_text(json.dumps({"settings": settings, "runs": results}, indent=1))
     lines = [
         "| stream | drafter | policy | tau | tau first third | tau last third | tokens/s (incl. updates) | vs off | "
-        "update share | actions | rollbacks | identical |",
+        "update share | actions | rollbacks / loaded head back | identical |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for key, run in results.items():
@@ -144,7 +148,7 @@ def write_report(out_dir: Path, results: dict[str, dict], settings: dict) -> Non
         lines.append(
             f"| {stream} | {drafter} | {policy} | {s['tau']:.3f} | {s['tau_first_third']:.3f} | "
             f"{s['tau_last_third']:.3f} | {s['tokens_per_s']:.2f} | {versus} | {100 * s['update_share']:.1f}% | "
-            f"{actions} | {s['rollbacks']} | {'yes' if s['identical'] else 'NO'} |"
+            f"{actions} | {s['rollbacks']} / {s['restored_loaded']} | {'yes' if s['identical'] else 'NO'} |"
         )
     (out_dir / "results.md").write_text("\n".join(lines) + "\n")
     plot(out_dir / "tau_along_stream.png", results)

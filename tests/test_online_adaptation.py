@@ -261,6 +261,23 @@ def test_rollback_when_tau_drops_after_an_update():
     assert all(torch.equal(p, before[n]) for n, p in drafter.named_parameters())
 
 
+def test_the_loaded_output_side_comes_back_where_it_does_better():
+    """An adapted head that proposes the worst tokens (its weights negated) loses the held-out check on the next
+    call's signal and the loaded output side comes back; a sound adapted head is kept."""
+    target = make_target("llama", vocab_size=VOCAB, seed=1)
+    drafter = _drafter("specblock", target, online_adaptation="head_only")
+    loaded = _weights(drafter)
+    _serve(target, drafter, calls=2)
+    assert not drafter.last_stats.adaptation_restored_loaded
+    with torch.no_grad():
+        drafter.lm_head.weight.neg_()
+    online_adapter_for(drafter).pending = None  # no tau-based rollback to the previous (sound) head first
+    _serve(target, drafter, calls=1)  # held out: this call's signal, then an update from the loaded head
+    assert drafter.last_stats.adaptation_restored_loaded
+    # the loaded weights, then this call's 4 Adam steps at 1e-3 (the negated head was 2|w| away)
+    assert float((drafter.lm_head.weight.detach() - loaded["lm_head.weight"]).abs().max()) < 0.01
+
+
 # ------------------------------------------------------------------------------------------------ reset, save, errors
 def test_reset_restores_the_loaded_weights_bit_for_bit(tmp_path):
     target = make_target("llama", vocab_size=VOCAB, seed=1)

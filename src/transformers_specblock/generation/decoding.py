@@ -48,12 +48,14 @@ class SpecBlockStats:
     accepted_by_source: dict[str, int] = field(default_factory=dict)  # accepted drafted tokens each source proposed
     # online adaptation (`generation.adaptation`): the action taken after this call's tokens ("off", "skip",
     # "head_only", "full"), its time (inside total_time_s), the signal samples captured (of which the drafter's
-    # best proposal was wrong) and whether the previous call's update was rolled back
+    # best proposal was wrong), whether the previous call's update was rolled back and whether the loaded output
+    # side was put back (it did better on this call's signal)
     adaptation_action: str = "off"
     adaptation_time_s: float = 0.0
     adaptation_signal: int = 0
     adaptation_signal_wrong: int = 0
     adaptation_rolled_back: bool = False
+    adaptation_restored_loaded: bool = False
 
     @property
     def tau(self) -> float:
@@ -216,7 +218,7 @@ def tree_speculative_decoding(
         report = adapter.finish_call(stats.new_tokens, time.perf_counter() - started, stats.tau)
         stats.adaptation_action, stats.adaptation_time_s = report.action, report.update_time_s
         stats.adaptation_signal, stats.adaptation_signal_wrong = report.signal, report.signal_wrong
-        stats.adaptation_rolled_back = report.rolled_back
+        stats.adaptation_rolled_back, stats.adaptation_restored_loaded = report.rolled_back, report.restored_loaded
     stats.total_time_s = time.perf_counter() - started
     drafter.last_stats = stats
     return outputs.result(input_ids, cache)

@@ -15,6 +15,7 @@ from collections import deque
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from ...models.eagle3.modeling_eagle3 import Eagle3DraftModel
 from ...models.specblock.modeling_specblock import SpecBlockDraftModel
@@ -23,8 +24,8 @@ from ...utils import sync
 from ..candidate_generators.base import TreeCandidateGenerator
 from ..tree import DraftTree
 from .bandit import SKIP, CostAwareBandit
-from .signal import SignalBuffer, collect_signal, target_to_draft_ids
-from .update import FULL, HEAD_ONLY, DrafterUpdater, trainable_parameters
+from .signal import SignalBuffer, SignalSample, collect_signal, target_to_draft_ids
+from .update import FULL, HEAD_ONLY, DrafterUpdater, draft_heads, first_token_acceptance, trainable_parameters
 
 ROLLBACK_TOLERANCE = 0.15  # roll an update back when the next call's tau is this much below the reference
 REFERENCE_CALLS = 4  # calls whose mean tau is the reference of the rollback check
@@ -41,6 +42,7 @@ class AdaptationReport:
     signal: int = 0  # samples captured in this call
     signal_wrong: int = 0  # of which the drafter's best proposal was wrong
     rolled_back: bool = False  # the previous call's update was undone
+    restored_loaded: bool = False  # the loaded output side did better on this call's signal and was put back
     loss: float = float("nan")  # soft cross entropy of the update's first step
 
 
@@ -67,6 +69,7 @@ class OnlineAdapter:
         self.pending: _Pending | None = None
         self.recent_tau: deque[float] = deque(maxlen=REFERENCE_CALLS)
         self.report = AdaptationReport()
+        self.fresh: list[SignalSample] = []  # this call's samples: held out until the update after it
         self.to_draft = target_to_draft_ids(drafter.d2t, config.vocab_size)
 
     @property
@@ -84,6 +87,7 @@ class OnlineAdapter:
         if self.to_draft.device != self.drafter.d2t.device:
             self.to_draft = self.to_draft.to(self.drafter.d2t.device)
         self.report = AdaptationReport()
+        self.fresh = []
 
     def capture(
         self,
@@ -99,6 +103,7 @@ class OnlineAdapter:
             self.body_version,
         )  # fmt: skip
         self.buffer.add(samples)
+        self.fresh += samples
         self.report.signal += len(samples)
         self.report.signal_wrong += sum(s.wrong for s in samples)
 
@@ -106,6 +111,7 @@ class OnlineAdapter:
         """Score the previous action, then choose and run this call's (see the module docstring)."""
         if self.pending is not None:
             self._score_pending(new_tokens, decode_seconds, tau)
+        self._keep_better_output_side()
         self.recent_tau.append(tau)
         action = self.choose_action()
         snapshot, seconds = None, 0.0
@@ -155,6 +161,31 @@ class OnlineAdapter:
             self.body_version += 1  # states captured since then came from the rolled-back body
         self.report.rolled_back = True
         self.recent_tau.clear()  # a fresh reference for the restored drafter
+
+    @torch.no_grad()
+    def _keep_better_output_side(self) -> None:
+        """Held-out check on this call's signal (no update has trained on it yet): where the body is still the
+        loaded one, compare how often the current and the loaded output side would have proposed the target's token
+        first (the target probability of each one's top draft token, summed over the same states); if the loaded one
+        wins, put it back. This is what keeps a head adapted to one domain from costing tau when the stream moves on
+        (the tau-based rollback undoes only the last update)."""
+        loaded = self.drafter.__dict__.get("_loaded_weights")
+        fresh = [s for s in self.fresh if s.body_version == self.body_version]
+        if loaded is None or not fresh:
+            return
+        head = self._named(HEAD_ONLY)
+        head_names = {n for n, _ in head}
+        if any(not torch.equal(p, loaded[n]) for n, p in self.drafter.named_parameters() if n not in head_names):
+            return  # a whole-drafter update changed the body: the loaded head was made for another one
+        states = torch.stack([s.state for s in fresh]).to(self.drafter.device, self.drafter.dtype)
+        current = first_token_acceptance(draft_heads(self.drafter, states)[0], fresh)
+        normed = self.drafter.norm(states)
+        if current >= first_token_acceptance(F.linear(normed, loaded["lm_head.weight"]), fresh):
+            return
+        for name, param in head:
+            param.copy_(loaded[name])
+        self.updater.reset()
+        self.report.restored_loaded = True
 
     def _named(self, action: str) -> list[tuple[str, torch.nn.Parameter]]:
         wanted = {id(p) for p in trainable_parameters(self.drafter, action)}

@@ -119,6 +119,15 @@ def adaptation_loss(
     return loss
 
 
+def first_token_acceptance(logits: torch.Tensor, samples: list[SignalSample]) -> float:
+    """Summed target probability of each row's top draft token (logits [S, Vd]): how often the drafter's first
+    proposal at these positions would be what the target picks (0 where it is outside the target's top-k)."""
+    ids = torch.stack([s.target_ids for s in samples]).to(logits.device)  # [S, k]
+    probs = torch.stack([s.target_probs for s in samples]).to(logits.device)
+    top = logits.argmax(-1, keepdim=True)  # [S, 1]
+    return float((probs * (ids == top)).sum())
+
+
 def rank_classes(logits: torch.Tensor, target_ids: torch.LongTensor, upper_bounds: list[int]) -> torch.LongTensor:
     """[S] rank-head class of each target id's 1-based rank in its row of `logits` [S, Vd] (id -1: the last class)."""
     own = logits.gather(1, target_ids.clamp(min=0)[:, None])
