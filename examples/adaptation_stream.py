@@ -121,10 +121,12 @@ def summarise(rows: list[dict]) -> dict:
     actions: dict[str, int] = {}
     for r in rows:
         actions[r["action"]] = actions.get(r["action"], 0) + 1
-    mean = lambda rs: sum(r["tau"] for r in rs) / max(1, len(rs))  # noqa: E731
+    mean = lambda rs: sum(r["tau"] for r in rs) / len(rs) if rs else float("nan")  # noqa: E731
+    code = [r for r in rows if r["domain"] == "code"]
     return {
         "calls": len(rows), "tau": mean(rows), "tau_first_third": mean(rows[:third]),
-        "tau_last_third": mean(rows[-third:]), "tokens_per_s": tokens / seconds,
+        "tau_last_third": mean(rows[-third:]), "tau_code_last_third": mean(code[-max(1, len(code) // 3) :] if code else []),
+        "tau_chat": mean([r for r in rows if r["domain"] == "chat"]), "tokens_per_s": tokens / seconds,
         "plain_tokens_per_s": tokens / plain, "update_share": sum(r["update_s"] for r in rows) / seconds,
         "actions": actions, "rollbacks": sum(r["rolled_back"] for r in rows),
         "restored_loaded": sum(r.get("restored_loaded", False) for r in rows),
@@ -135,9 +137,9 @@ def summarise(rows: list[dict]) -> dict:
 def write_report(out_dir: Path, results: dict[str, dict], settings: dict) -> None:
     (out_dir / "results.json").write_text(json.dumps({"settings": settings, "runs": results}, indent=1))
     lines = [
-        "| stream | drafter | policy | tau | tau first third | tau last third | tokens/s (incl. updates) | vs off | "
-        "update share | actions | rollbacks / loaded head back | identical |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| stream | drafter | policy | tau | tau first third | tau last third | tau code, last third | tau chat | "
+        "tokens/s (incl. updates) | vs off | update share | actions | rollbacks / loaded head back | identical |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for key, run in results.items():
         stream, drafter, policy = key.split("/")
@@ -147,7 +149,8 @@ def write_report(out_dir: Path, results: dict[str, dict], settings: dict) -> Non
         actions = ", ".join(f"{a} {n}" for a, n in sorted(s["actions"].items()))
         lines.append(
             f"| {stream} | {drafter} | {policy} | {s['tau']:.3f} | {s['tau_first_third']:.3f} | "
-            f"{s['tau_last_third']:.3f} | {s['tokens_per_s']:.2f} | {versus} | {100 * s['update_share']:.1f}% | "
+            f"{s['tau_last_third']:.3f} | {s['tau_code_last_third']:.3f} | {s['tau_chat']:.3f} | "
+            f"{s['tokens_per_s']:.2f} | {versus} | {100 * s['update_share']:.1f}% | "
             f"{actions} | {s['rollbacks']} / {s['restored_loaded']} | {'yes' if s['identical'] else 'NO'} |"
         )
     (out_dir / "results.md").write_text("\n".join(lines) + "\n")
