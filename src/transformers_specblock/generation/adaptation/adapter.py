@@ -166,11 +166,13 @@ class OnlineAdapter:
     def _keep_better_output_side(self) -> None:
         """Held-out check on this call's signal (no update has trained on it yet): where the body is still the
         loaded one, compare how often the current and the loaded output side would have proposed the target's token
-        first (the target probability of each one's top draft token, summed over the same states); if the loaded one
-        wins, put it back. This is what keeps a head adapted to one domain from costing tau when the stream moves on
+        first right after each step's root (the target probability of each one's top draft token, summed over the
+        same depth-1 states); if the loaded one wins, put it back. This is what keeps a head adapted to one domain from costing tau when the stream moves on
         (the tau-based rollback undoes only the last update)."""
         loaded = self.drafter.__dict__.get("_loaded_weights")
-        fresh = [s for s in self.fresh if s.body_version == self.body_version]
+        # depth 1 only: a tree's deeper samples exist because of what the current head got right, and its last one
+        # mostly because it got it wrong, which would bias the comparison; depth 1 is there every step
+        fresh = [s for s in self.fresh if s.body_version == self.body_version and s.depth == 1]
         if loaded is None or not fresh:
             return
         head = self._named(HEAD_ONLY)

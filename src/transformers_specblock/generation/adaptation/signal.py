@@ -28,6 +28,7 @@ class SignalSample:
     target_probs: torch.Tensor  # [k] their target probabilities (float32)
     wrong: bool  # the drafter's best proposal here was not the token the target committed
     body_version: int  # which drafter body computed `state` (a whole-drafter update makes older states stale)
+    depth: int = 1  # depth of the position in its tree (1: right after the root, whatever was accepted)
     slot: int = -1  # the root position's output slot a replay of `context` reproduces (-1: not replayable)
     context: Context | None = None  # committed positions ending at the root's drafter position
 
@@ -118,6 +119,7 @@ def collect_signal(
                 target_probs=probs[depth],
                 wrong=int(drafted.tokens[best]) != token,
                 body_version=body_version,
+                depth=depth + 1,
                 slot=slot,
                 context=context if slot >= 0 else None,
             )
