@@ -167,8 +167,8 @@ class OnlineAdapter:
         """Held-out check on this call's signal (no update has trained on it yet): where the body is still the
         loaded one, compare how often the current and the loaded output side would have proposed the target's token
         first right after each step's root (the target probability of each one's top draft token, summed over the
-        same depth-1 states); if the loaded one wins, put it back. This is what keeps a head adapted to one domain from costing tau when the stream moves on
-        (the tau-based rollback undoes only the last update)."""
+        same depth-1 states); if the loaded one wins, put it back. This keeps a head adapted to one domain from
+        costing tau when the stream moves on (the tau-based rollback undoes only the last update)."""
         loaded = self.drafter.__dict__.get("_loaded_weights")
         # depth 1 only: a tree's deeper samples exist because of what the current head got right, and its last one
         # mostly because it got it wrong, which would bias the comparison; depth 1 is there every step
