@@ -278,6 +278,22 @@ def test_the_loaded_output_side_comes_back_where_it_does_better():
     assert float((drafter.lm_head.weight.detach() - loaded["lm_head.weight"]).abs().max()) < 0.01
 
 
+def test_the_loaded_drafter_comes_back_after_whole_drafter_updates():
+    """With the body changed, both drafters replay the call's depth-1 contexts; all loaded weights come back.
+    (SpecBlock: the tiny random EAGLE-3 drafter's negated head is not reliably worse than its random one.)"""
+    target = make_target("llama", vocab_size=VOCAB, seed=1)
+    drafter = _drafter("specblock", target, online_adaptation="always")
+    loaded = _weights(drafter)
+    _serve(target, drafter, calls=1)
+    with torch.no_grad():
+        drafter.lm_head.weight.neg_()
+    online_adapter_for(drafter).pending = None
+    _serve(target, drafter, calls=1)
+    assert drafter.last_stats.adaptation_restored_loaded
+    # the loaded weights, then this call's 4 Adam steps (1e-3 output side, 1e-4 body)
+    assert all(float((p.detach() - loaded[n]).abs().max()) < 0.01 for n, p in drafter.named_parameters())
+
+
 # ------------------------------------------------------------------------------------------------ reset, save, errors
 def test_reset_restores_the_loaded_weights_bit_for_bit(tmp_path):
     target = make_target("llama", vocab_size=VOCAB, seed=1)

@@ -25,7 +25,15 @@ from ..candidate_generators.base import TreeCandidateGenerator
 from ..tree import DraftTree
 from .bandit import SKIP, CostAwareBandit
 from .signal import SignalBuffer, SignalSample, collect_signal, target_to_draft_ids
-from .update import FULL, HEAD_ONLY, DrafterUpdater, draft_heads, first_token_acceptance, trainable_parameters
+from .update import (
+    FULL,
+    HEAD_ONLY,
+    DrafterUpdater,
+    draft_heads,
+    first_token_acceptance,
+    replay_states,
+    trainable_parameters,
+)
 
 ROLLBACK_TOLERANCE = 0.15  # roll an update back when the next call's tau is this much below the reference
 REFERENCE_CALLS = 4  # calls whose mean tau is the reference of the rollback check
@@ -178,7 +186,8 @@ class OnlineAdapter:
         head = self._named(HEAD_ONLY)
         head_names = {n for n, _ in head}
         if any(not torch.equal(p, loaded[n]) for n, p in self.drafter.named_parameters() if n not in head_names):
-            return  # a whole-drafter update changed the body: the loaded head was made for another one
+            self._keep_better_drafter(loaded)  # a whole-drafter update changed the body
+            return
         states = torch.stack([s.state for s in fresh]).to(self.drafter.device, self.drafter.dtype)
         current = first_token_acceptance(draft_heads(self.drafter, states)[0], fresh)
         normed = self.drafter.norm(states)
@@ -187,6 +196,26 @@ class OnlineAdapter:
         for name, param in head:
             param.copy_(loaded[name])
         self.updater.reset()
+        self.report.restored_loaded = True
+
+    @torch.no_grad()
+    def _keep_better_drafter(self, loaded: dict[str, torch.Tensor]) -> None:
+        """The same check for a drafter whose body changed: both drafters replay this call's depth-1 contexts (the
+        root's own output), and the loaded weights come back, all of them, where they would have done better."""
+        replayable = [s for s in self.fresh if s.depth == 1 and s.slot >= 0]
+        if not replayable:
+            return
+        states = replay_states(self.drafter, replayable)
+        current = first_token_acceptance(draft_heads(self.drafter, states)[0], replayable)
+        with self.drafter.loaded_weights_in_place(True):
+            states = replay_states(self.drafter, replayable)
+            before = first_token_acceptance(draft_heads(self.drafter, states)[0], replayable)
+        if current >= before:
+            return
+        for name, param in self.drafter.named_parameters():
+            param.copy_(loaded[name])
+        self.updater.reset()
+        self.body_version += 1  # stored states came from the body just replaced
         self.report.restored_loaded = True
 
     def _named(self, action: str) -> list[tuple[str, torch.nn.Parameter]]:

@@ -112,7 +112,7 @@ class TreeDraftModel(PreTrainedModel):
 
         A drafter changed by online adaptation writes the weights it was loaded with unless `save_adapted=True`.
         """
-        with self._loaded_weights_in_place(not save_adapted):
+        with self.loaded_weights_in_place(not save_adapted):
             result = super().save_pretrained(save_directory, *args, **kwargs)
         if kwargs.get("is_main_process", True):
             build_model_card(self).save(os.path.join(save_directory, "README.md"))
@@ -134,8 +134,8 @@ class TreeDraftModel(PreTrainedModel):
         self.__dict__.pop("_online_adaptation", None)  # buffer, bandit, optimizers (`generation.adaptation`)
 
     @contextmanager
-    def _loaded_weights_in_place(self, active: bool) -> Iterator[None]:
-        """Temporarily put the loaded weights back (when `active` and the drafter was adapted)."""
+    def loaded_weights_in_place(self, active: bool) -> Iterator[None]:
+        """Temporarily put the loaded weights back (when `active` and the drafter was adapted by online adaptation)."""
         loaded = self.__dict__.get("_loaded_weights") if active else None
         if loaded is None:
             yield
