@@ -46,7 +46,7 @@ class AdaptationReport:
     """What online adaptation did in one `generate` call (copied into `drafter.last_stats`)."""
 
     action: str = "off"  # "skip", "head_only" or "full" (after this call's tokens); "off" when disabled
-    update_time_s: float = 0.0
+    update_time_s: float = 0.0  # the update and the held-out check before it
     signal: int = 0  # samples captured in this call
     signal_wrong: int = 0  # of which the drafter's best proposal was wrong
     rolled_back: bool = False  # the previous call's update was undone
@@ -119,22 +119,25 @@ class OnlineAdapter:
         """Score the previous action, then choose and run this call's (see the module docstring)."""
         if self.pending is not None:
             self._score_pending(new_tokens, decode_seconds, tau)
+        sync(self.drafter.device)
+        start = time.perf_counter()
         self._keep_better_output_side()
+        sync(self.drafter.device)
+        check_seconds = time.perf_counter() - start  # charged to the action like the update itself
         self.recent_tau.append(tau)
         action = self.choose_action()
-        snapshot, seconds = None, 0.0
+        snapshot, seconds = None, check_seconds
         if action != SKIP:
             self.drafter.remember_loaded_weights()
             snapshot = {n: p.detach().clone() for n, p in self._named(action)}
-            sync(self.drafter.device)
             start = time.perf_counter()
             loss = self.updater.update(action, self.buffer, self.body_version)
             sync(self.drafter.device)
-            seconds = time.perf_counter() - start
             if loss is None:  # no signal: nothing was changed
-                action, snapshot, seconds = SKIP, None, 0.0
+                action, snapshot = SKIP, None
             else:
                 self.report.loss = loss
+                seconds += time.perf_counter() - start
             if action == FULL:
                 self.body_version += 1  # stored states of earlier samples no longer match the body
         reference = sum(self.recent_tau) / len(self.recent_tau)
