@@ -428,6 +428,21 @@ def test_export_reimport_round_trip_is_bit_exact(fmt, target, tmp_path, one_thre
         assert torch.equal(first["d2t"] + torch.arange(len(first["d2t"])), native.d2t)  # offsets
 
 
+@pytest.mark.parametrize("fmt", ["eagle3", "specblock_reference"])
+def test_export_of_an_adapted_drafter_writes_the_loaded_weights_unless_asked(fmt, target, tmp_path):
+    """As `save_pretrained` in this package's layout: online adaptation never reaches a file silently."""
+    native = native_drafter("eagle" if fmt == "eagle3" else "specblock_reference", target)
+    loaded_head = native.lm_head.weight.detach().clone()
+    native.remember_loaded_weights()  # what the first online update does
+    with torch.no_grad():
+        native.lm_head.weight.add_(1.0)  # an "adapted" head
+    native.save_pretrained(tmp_path / "loaded", checkpoint_format=fmt)
+    native.save_pretrained(tmp_path / "adapted", checkpoint_format=fmt, save_adapted=True)
+    assert torch.equal(load_file(tmp_path / "loaded" / "model.safetensors")["lm_head.weight"], loaded_head)
+    assert torch.equal(load_file(tmp_path / "adapted" / "model.safetensors")["lm_head.weight"], loaded_head + 1.0)
+    assert torch.equal(native.lm_head.weight, loaded_head + 1.0)  # the drafter in memory keeps its adaptation
+
+
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_published_checkpoint_re_exports(layout, target, tmp_path, one_thread):
     """published -> ours -> published -> ours keeps every weight."""

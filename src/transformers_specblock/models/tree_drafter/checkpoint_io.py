@@ -398,6 +398,8 @@ class PublishedCheckpointMixin:
                 f"checkpoint_format={checkpoint_format!r} is not one {type(self).__name__} writes: use None (this "
                 f"package's layout) or one of {sorted(self.checkpoint_writers)}."
             )
+        save_adapted = kwargs.pop("save_adapted", False)  # as in this package's layout: the loaded weights unless asked
         if args or kwargs:
             raise ValueError(f"checkpoint_format={checkpoint_format!r} takes no other arguments, got {args} {kwargs}.")
-        writer(self, save_directory)
+        with self.loaded_weights_in_place(not save_adapted):
+            writer(self, save_directory)
