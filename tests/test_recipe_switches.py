@@ -136,3 +136,28 @@ def test_cli_switches_reach_the_trainer(workspace):  # noqa: F811
         trainer.state.global_step = step
         assert len(trainer.followup_offsets(training=True)) + 1 == blocks
     assert len(trainer.followup_offsets(training=False)) + 1 == 3  # evaluation runs every block
+
+
+def test_time_budget_stops_the_run_and_drives_the_schedule(workspace, monkeypatch):  # noqa: F811
+    """`--max_train_minutes`: the run stops (with a checkpoint) once its training time reaches the budget, far below
+    max_steps, and after warm-up the cosine decay follows elapsed time / budget. A clock of 10 s per step makes it
+    exact: a 1-minute budget ends after step 6."""
+    from transformers_specblock.training.trainer import SpecBlockTrainer
+
+    monkeypatch.setattr(SpecBlockTrainer, "training_seconds", lambda self: 10.0 * self.state.global_step)
+    out = workspace["root"] / "run_timed"
+    argv = common_args(workspace, out, "--max_steps", "100", "--max_train_minutes", "1", "--lr_scheduler_type", "cosine")
+    argv[argv.index("--warmup_steps") + 1] = "2"
+    trainer = run_training(*parse_train_args(argv))
+    assert trainer.state.global_step == 6
+    assert (out / "checkpoint-6").is_dir()  # stopped by the budget: saved to resume from
+    logs = [e for e in json.loads((out / "trainer_state.json").read_text())["log_history"] if "loss" in e]
+    lr0, warmup = 3e-3, 2
+    for entry in logs:  # step t used the schedule stepped after step t - 1, before global_step counted it
+        s = entry["step"] - 1
+        lam = s / warmup if s < warmup else 0.5 * (1 + math.cos(math.pi * 10 * (s - 1) / 60))
+        assert entry["learning_rate"] == pytest.approx(lr0 * lam, abs=1e-9), entry
+    with pytest.raises(ValueError, match="max_train_minutes"):
+        parse_train_args(common_args(workspace, out, "--max_train_minutes", "1", "--lr_scheduler_type", "polynomial"))
+    with pytest.raises(ValueError, match="max_train_minutes"):
+        parse_train_args(common_args(workspace, out, "--max_train_minutes", "0"))

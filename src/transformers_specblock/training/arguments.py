@@ -13,6 +13,8 @@ from .attention import SPARSE_SDPA
 
 _DTYPES = DTYPES  # float32, bfloat16, float16
 SLOT_NORMALIZATIONS = ("valid_prefix", "slot0")
+_TIMED_SCHEDULES = ("constant", "constant_with_warmup", "linear", "cosine")
+"""Learning-rate schedules `--max_train_minutes` can run by elapsed time."""
 
 
 @dataclass
@@ -211,6 +213,24 @@ class SpecBlockTrainingArguments(TrainingArguments):
         metadata={"help": "Train with block 1 only (no follow-up blocks) during the first single_block_steps steps, "
                   "with num_blocks after (the reference's first phase; 0 = off). Evaluation always runs num_blocks."},
     )
+    max_train_minutes: float | None = field(
+        default=None,
+        metadata={"help": "Stop after this many minutes of training (all sessions of a resumed run, evaluations "
+                  "included) and schedule the learning rate by time: after the warm-up steps, a linear or cosine "
+                  "decay follows elapsed time / budget instead of step / max_steps, so it ends at the budget "
+                  "whatever the hardware's speed. max_steps (or the epochs) still bound the run. Default: no budget."},
+    )
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.max_train_minutes is not None and self.max_train_minutes <= 0:
+            raise ValueError(f"--max_train_minutes must be > 0, got {self.max_train_minutes}.")
+        schedule = getattr(self.lr_scheduler_type, "value", self.lr_scheduler_type)
+        if self.max_train_minutes is not None and schedule not in _TIMED_SCHEDULES:
+            raise ValueError(
+                f"--max_train_minutes schedules the learning rate by time, which supports --lr_scheduler_type "
+                f"{', '.join(_TIMED_SCHEDULES)}; got {schedule!r}."
+            )
 
 
 @dataclass

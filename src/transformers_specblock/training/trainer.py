@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Any
 
@@ -30,6 +31,17 @@ class _SessionRecorder(TrainerCallback):
     def on_train_begin(self, args, state, control, **kwargs):  # noqa: D102
         if self.trainer.session_record is not None:
             state.log_history.append({"step": state.global_step, SESSION_KEY: dict(self.trainer.session_record)})
+
+
+class _TimeBudget(TrainerCallback):
+    """Stops training (saving a checkpoint) once the trainer's training time reaches ``max_train_minutes``."""
+
+    def __init__(self, trainer: "SpecBlockTrainer") -> None:
+        self.trainer = trainer
+
+    def on_step_end(self, args, state, control, **kwargs):  # noqa: D102
+        if self.trainer.training_seconds() >= args.max_train_minutes * 60:
+            control.should_training_stop = control.should_save = True
 
 
 def session_records(log_history: list[dict[str, Any]], final_step: int) -> list[dict[str, Any]]:
@@ -74,6 +86,8 @@ class SpecBlockTrainer(Trainer):
         self._earlier_seconds: float | None = None  # training time of the sessions before a resume
         self.session_record: dict[str, Any] | None = None  # set by run_training before train()
         self.add_callback(_SessionRecorder(self))
+        if getattr(self.args, "max_train_minutes", None) is not None:
+            self.add_callback(_TimeBudget(self))
 
     def followup_offsets(self, training: bool) -> list[int]:
         """M ~ U{1..K} per follow-up block, from a generator seeded by (seed, global step): the same on every
@@ -155,6 +169,31 @@ class SpecBlockTrainer(Trainer):
             logged = (h["train_seconds"] for h in reversed(self.state.log_history) if "train_seconds" in h)
             self._earlier_seconds = next(logged, 0.0)
         return self._earlier_seconds + time.perf_counter() - self._session_start
+
+    def time_progress(self) -> float:
+        """Share of ``max_train_minutes`` spent so far, in [0, 1]."""
+        return min(1.0, self.training_seconds() / (self.args.max_train_minutes * 60))
+
+    def create_scheduler(self, num_training_steps: int, optimizer: torch.optim.Optimizer | None = None):
+        """With ``max_train_minutes``: warm-up over the warm-up steps, then the schedule's decay by elapsed time
+        (`time_progress`) instead of by step. Otherwise the Trainer's own scheduler."""
+        if getattr(self.args, "max_train_minutes", None) is None:
+            return super().create_scheduler(num_training_steps, optimizer)
+        warmup = self.args.get_warmup_steps(num_training_steps)
+        schedule = getattr(self.args.lr_scheduler_type, "value", self.args.lr_scheduler_type)
+
+        def factor(step: int) -> float:
+            if step < warmup:
+                return step / warmup if schedule != "constant" else 1.0
+            if schedule in ("constant", "constant_with_warmup"):
+                return 1.0
+            progress = self.time_progress()
+            return 1.0 - progress if schedule == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
+
+        if self.lr_scheduler is None:
+            self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer or self.optimizer, factor)
+            self._created_lr_scheduler = True
+        return self.lr_scheduler
 
     def _save_checkpoint(self, model, trial) -> None:  # noqa: D102
         # the time up to this checkpoint, so a resume from it counts the steps after the last log too
