@@ -15,7 +15,7 @@
 set -euo pipefail
 MODE=$1 BUNDLE=$(realpath "$2") WORK=$3 OUT=$4 TRAIN_MINUTES=${5:-4} REGEN_SECONDS=${6:-90}
 REPO=$(cd "$(dirname "$0")/.." && pwd)
-export XDG_CACHE_HOME=$WORK/cache PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+export XDG_CACHE_HOME=$WORK/cache PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false OMP_NUM_THREADS=${OMP_NUM_THREADS:-4}
 export PYTHONPATH=$REPO/src${PYTHONPATH:+:$PYTHONPATH}
 CACHE=$XDG_CACHE_HOME/transformers_specblock
 mkdir -p "$CACHE/data" "$CACHE/models" "$OUT"
@@ -86,7 +86,7 @@ COMMON=(--target_model "$TARGET" --dataset "$WORK/train.jsonl" --eval_dataset sh
 [ "$DEVICE" = cuda ] && COMMON+=(--bf16) || COMMON+=(--use_cpu)
 [ "$MODE" = smoke ] && COMMON+=(--per_device_train_batch_size 2 --max_length 128 --max_train_samples 64 --warmup_steps 2
   --logging_steps 2 --eval_steps 4 --eval_samples 8)
-CAP=$($PY -c "print(int($TRAIN_MINUTES * 60 + 240))")  # seconds: the budget, plus loading, the last evaluation, saving
+CAP=$($PY -c "print(int($TRAIN_MINUTES * 60 + 170))")  # seconds: the budget, plus loading, the last evaluation, saving
 train() {  # name, extra arguments
   local name=$1; shift
   timeout "$CAP" $PY -c "from transformers_specblock.commands.cli import train_main; train_main()" "${COMMON[@]}" \

@@ -166,3 +166,11 @@ def test_dflash_precomputed_features_match_online(workspace):  # noqa: F811
     train_main(common_args(workspace, pre, *dflash, "--features", "precomputed", "--features_dir", str(features_dir)))
     assert json.loads((features_dir / "features_info.json").read_text())["target_layer_ids"] == [4]  # layer 3's output
     assert logged_losses(pre)[0] == pytest.approx(logged_losses(online)[0], rel=1e-4)
+
+
+def test_cli_trains_dflash_under_bf16_autocast(workspace):  # noqa: F811
+    """--bf16 (the GPU recipe; CPU autocast here): the per-offset statistics take the bfloat16 losses."""
+    dflash = ["--drafter", "dflash", "--mask_token_id", "127", "--num_anchors", "8", "--loss_decay_gamma", "2"]
+    out = workspace["root"] / "run_dflash_bf16"
+    train_main(common_args(workspace, out, "--max_steps", "2", "--bf16", *dflash))
+    assert len(logged_losses(out)) == 2 and all(math.isfinite(x) for x in logged_losses(out))

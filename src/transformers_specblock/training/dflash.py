@@ -160,7 +160,7 @@ class DFlashDraftModelForTraining(DFlashDraftModel):
             correct = torch.zeros_like(counted)
             correct[rows] = draft_logits.argmax(-1).to(device) == labels.to(device)
             ce_grid = torch.zeros(counted.shape, device=device)
-            ce_grid[rows] = ce.detach()
+            ce_grid[rows] = ce.detach().float()  # bfloat16 under autocast
             stats = dflash_block_stats(correct[..., 1:], counted[..., 1:], ce_grid[..., 1:], loss)
         return SpecBlockTrainingOutput(loss=loss, loss_draft=loss.detach(), loss_rank=torch.zeros(()), stats=stats)
 

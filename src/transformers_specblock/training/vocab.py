@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
+import numpy as np
 import torch
 from transformers import PreTrainedModel
 
@@ -25,10 +26,11 @@ def build_draft_vocab(
 ) -> tuple[torch.LongTensor, float]:
     """``d2t``: the ``draft_vocab_size`` most frequent assistant tokens (ties: lower id first; ids never seen fill
     up from the lowest id), sorted by target id; and the fraction of assistant tokens it covers."""
-    counts = torch.zeros(vocab_size, dtype=torch.long)
-    for ids, mask in zip(token_lists, mask_lists):
-        ids_t = torch.as_tensor(ids, dtype=torch.long)
-        counts += torch.bincount(ids_t[torch.as_tensor(mask, dtype=torch.bool)], minlength=vocab_size)[:vocab_size]
+    # one bincount over every assistant token (numpy per row: thousands of tiny torch ops crawl when several
+    # processes share the CPU cores, each with its own thread pool)
+    parts = [np.asarray(ids, dtype=np.int64)[np.asarray(mask, dtype=bool)] for ids, mask in zip(token_lists, mask_lists)]
+    tokens = torch.from_numpy(np.concatenate(parts)) if parts else torch.zeros(0, dtype=torch.long)
+    counts = torch.bincount(tokens, minlength=vocab_size)[:vocab_size]
     order = torch.sort(-counts, stable=True).indices  # most frequent first, ties by id
     d2t = torch.sort(order[:draft_vocab_size]).values
     coverage = float(counts[d2t].sum()) / max(1, int(counts.sum()))
