@@ -9,12 +9,12 @@ import torch
 from transformers import AutoModel, LlamaConfig, LlamaForCausalLM
 
 import transformers_specblock
-from transformers_specblock import Eagle3DraftModel, SpecBlockConfig, SpecBlockDraftModel
+from transformers_specblock import DFlashDraftModel, Eagle3DraftModel, SpecBlockConfig, SpecBlockDraftModel
 from transformers_specblock.hub import SHIPPED_DRAFTERS, resolve_drafter_path, shipped_drafter_path
 
 from conftest import make_drafter, make_target
 
-SPECBLOCK, EAGLE3 = "specblock-smollm2-135m-instruct", "eagle3-smollm2-135m-instruct"
+SPECBLOCK, EAGLE3, DFLASH = (f"{kind}-smollm2-135m-instruct" for kind in ("specblock", "eagle3", "dflash"))
 PACKAGE_DIR = Path(transformers_specblock.__file__).resolve().parent
 
 
@@ -30,12 +30,12 @@ def smollm2_shaped_target(seed: int = 0) -> LlamaForCausalLM:
 
 
 def test_shipped_drafters_live_inside_the_package():
-    assert SHIPPED_DRAFTERS == (EAGLE3, SPECBLOCK)
+    assert SHIPPED_DRAFTERS == (DFLASH, EAGLE3, SPECBLOCK)
     for name in SHIPPED_DRAFTERS:
         folder = shipped_drafter_path(name)
         assert folder.parent == PACKAGE_DIR / "hub" / "shipped"
         assert {"config.json", "model.safetensors", "README.md"} <= {p.name for p in folder.iterdir()}
-    with pytest.raises(ValueError, match="shipped drafters are eagle3-smollm2-135m-instruct, specblock-"):
+    with pytest.raises(ValueError, match="shipped drafters are dflash-smollm2-135m-instruct, eagle3-smollm2-135m-"):
         shipped_drafter_path("specblock-qwen")
 
 
@@ -55,6 +55,8 @@ def test_from_pretrained_by_name():
     assert isinstance(Eagle3DraftModel.from_pretrained(EAGLE3), Eagle3DraftModel)
     assert SpecBlockConfig.from_pretrained(SPECBLOCK).target_num_hidden_layers == 30  # --init_drafter reads this
     assert isinstance(AutoModel.from_pretrained(shipped_drafter_path(EAGLE3)), Eagle3DraftModel)
+    dflash = DFlashDraftModel.from_pretrained(DFLASH)
+    assert dflash.config.mask_token_id == 16 and dflash.config.block_size == 16  # SmolLM2's <empty_output>
 
 
 def test_a_local_folder_named_like_a_shipped_drafter_wins(tmp_path, monkeypatch):
@@ -69,11 +71,12 @@ def test_bench_loads_the_shipped_drafters_by_default(one_thread):
     from transformers_specblock.commands.cli import BenchArguments, build_methods
 
     target = smollm2_shaped_target()
-    args = BenchArguments(target_model="smollm2-135m-instruct", methods="plain,specblock,eagle3")
+    args = BenchArguments(target_model="smollm2-135m-instruct", methods="plain,specblock,eagle3,dflash")
     methods = build_methods(args, target)
     drafters = [m.generate_kwargs["assistant_model"] for m in methods]
-    assert [type(d) for d in drafters] == [SpecBlockDraftModel, Eagle3DraftModel]
-    assert [d.name_or_path for d in drafters] == [str(shipped_drafter_path(n)) for n in (SPECBLOCK, EAGLE3)]
+    assert [type(d) for d in drafters] == [SpecBlockDraftModel, Eagle3DraftModel, DFlashDraftModel]
+    names = (SPECBLOCK, EAGLE3, DFLASH)
+    assert [d.name_or_path for d in drafters] == [str(shipped_drafter_path(n)) for n in names]
     prompt = torch.tensor([[0, 11, 42, 7, 300, 5]])
     expected = target.generate(prompt, max_new_tokens=8, do_sample=False)
     for drafter in drafters:

@@ -35,7 +35,7 @@ CHECKS = textwrap.dedent(
     from transformers import LlamaConfig, LlamaForCausalLM
 
     import transformers_specblock
-    from transformers_specblock import CUSTOM_GENERATE_DIR, Eagle3DraftModel, SpecBlockDraftModel
+    from transformers_specblock import CUSTOM_GENERATE_DIR, DFlashDraftModel, Eagle3DraftModel, SpecBlockDraftModel
     from transformers_specblock.commands.cli import BenchArguments, build_methods
     from transformers_specblock.hub import SHIPPED_DRAFTERS, shipped_drafter_path
 
@@ -56,8 +56,9 @@ CHECKS = textwrap.dedent(
     prompt = torch.tensor([[0, 11, 42, 7, 300, 5]])
     plain = target.generate(prompt, max_new_tokens=8, do_sample=False)
     drafters = {
-        "specblock_by_name": SpecBlockDraftModel.from_pretrained(SHIPPED_DRAFTERS[1], dtype=torch.float32),
-        "eagle3_by_name": Eagle3DraftModel.from_pretrained(SHIPPED_DRAFTERS[0], dtype=torch.float32),
+        "specblock_by_name": SpecBlockDraftModel.from_pretrained("specblock-smollm2-135m-instruct", dtype=torch.float32),
+        "eagle3_by_name": Eagle3DraftModel.from_pretrained("eagle3-smollm2-135m-instruct", dtype=torch.float32),
+        "dflash_by_name": DFlashDraftModel.from_pretrained("dflash-smollm2-135m-instruct", dtype=torch.float32),
     }
     for method in build_methods(BenchArguments(target_model="smollm2-135m-instruct", methods="specblock"), target):
         drafters["bench_default"] = method.generate_kwargs["assistant_model"]  # what specblock-bench loads
@@ -118,10 +119,11 @@ def test_wheel_installs_and_works_outside_the_checkout(tmp_path):
 
     assert Path(report["package"]).resolve().is_relative_to(site.resolve())  # the wheel, not the checkout
     assert report["custom_generate"]
-    names = ["eagle3-smollm2-135m-instruct", "specblock-smollm2-135m-instruct"]
+    names = ["dflash-smollm2-135m-instruct", "eagle3-smollm2-135m-instruct", "specblock-smollm2-135m-instruct"]
     assert report["shipped"] == {n: ["README.md", "config.json", "model.safetensors"] for n in names}
     for key, path in report["drafter_paths"].items():
         assert Path(path).resolve().is_relative_to(site.resolve()), key
     assert report["equal_to_plain"] == {
-        "specblock_by_name": True, "eagle3_by_name": True, "bench_default": True, "custom_generate": True,
+        "specblock_by_name": True, "eagle3_by_name": True, "dflash_by_name": True, "bench_default": True,
+        "custom_generate": True,
     }  # fmt: skip
