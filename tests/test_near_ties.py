@@ -14,7 +14,13 @@ import pytest
 import torch
 
 from conftest import make_target
-from transformers_specblock import Eagle3DraftModel, SpecBlockDraftModel, load_packaged_model, load_prompts
+from transformers_specblock import (
+    DFlashDraftModel,
+    Eagle3DraftModel,
+    SpecBlockDraftModel,
+    load_packaged_model,
+    load_prompts,
+)
 from transformers_specblock.commands.exactness import NEAR_TIE_GAP, first_divergence, float32_copy, is_16bit
 
 
@@ -89,6 +95,7 @@ def test_bfloat16_tree_decoding_leaves_plain_greedy_only_at_near_ties(one_thread
     drafters = {
         "specblock": SpecBlockDraftModel.from_pretrained("specblock-smollm2-135m-instruct", dtype=torch.bfloat16),
         "eagle3": Eagle3DraftModel.from_pretrained("eagle3-smollm2-135m-instruct", dtype=torch.bfloat16),
+        "dflash": DFlashDraftModel.from_pretrained("dflash-smollm2-135m-instruct", dtype=torch.bfloat16),
     }
     prompts = load_prompts("mt_bench", tokenizer=tokenizer).select(PROMPT_INDICES)
     divergences, accepted = [], []

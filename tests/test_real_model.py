@@ -5,7 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from transformers_specblock import SpecBlockDraftModel, load_packaged_model, load_prompts
+from transformers_specblock import (
+    DFlashDraftModel,
+    Eagle3DraftModel,
+    SpecBlockDraftModel,
+    load_packaged_model,
+    load_prompts,
+)
 
 TIE_TOLERANCE = 1e-3
 
@@ -42,3 +48,20 @@ def test_smollm2_greedy_matches_target(smollm2):
             logits = target(torch.tensor([reference[:diff]])).logits[0, -1].float()
         top2 = logits.topk(2).values
         assert float(top2[0] - top2[1]) < TIE_TOLERANCE, f"position {diff} differs without a tie: {top2.tolist()}"
+
+
+@pytest.mark.parametrize("kind", ["specblock", "eagle3", "dflash"])
+def test_shipped_drafters_are_exact_and_accept_on_smollm2(smollm2, kind, one_thread):
+    """float32: each shipped drafter reproduces the target's greedy output token for token on real MT-Bench prompts,
+    and, being trained, commits more than one token per verification on average."""
+    target, tokenizer = smollm2
+    drafter_class = {"specblock": SpecBlockDraftModel, "eagle3": Eagle3DraftModel, "dflash": DFlashDraftModel}[kind]
+    drafter = drafter_class.from_pretrained(f"{kind}-smollm2-135m-instruct", dtype=torch.float32)
+    accepted = []
+    for text in load_prompts("mt_bench", num_prompts=2, tokenizer=tokenizer)["text"]:
+        inputs = tokenizer(text, return_tensors="pt", add_special_tokens=False)
+        reference = target.generate(**inputs, do_sample=False, max_new_tokens=32)[0].tolist()
+        tree = target.generate(**inputs, assistant_model=drafter, do_sample=False, max_new_tokens=32)[0].tolist()
+        assert tree == reference, f"{kind} left plain greedy at {first_difference(reference, tree)}"
+        accepted += drafter.last_stats.accepted_per_iteration
+    assert sum(accepted) / len(accepted) > 1.1, accepted
