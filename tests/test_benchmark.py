@@ -60,6 +60,13 @@ def test_every_method_runs_and_metrics_are_consistent(tmp_path):
     for row in results.prompts:
         if row.iterations:  # tree methods: tau x iterations = tokens committed by verifications (+1 from prefill)
             assert row.tau * row.iterations == pytest.approx(row.new_tokens - 1)
+            assert row.target_calls == row.iterations + 1  # one verification forward per iteration, plus prefill
+        if row.method == "plain":  # one forward per new token (the prefill gives the first)
+            assert row.target_calls == row.new_tokens
+    assert summary["plain"]["tokens_per_target_call"] == pytest.approx(1.0)
+    for name in ("prompt_lookup", "specblock", "eagle3"):  # chains too: fewer target forwards than tokens
+        assert summary[name]["tokens_per_target_call"] > 1.0, name
+    assert summary["assisted"]["tokens_per_target_call"] >= 1.0  # a random assistant: at least the target's own token
     for name in ("specblock", "specblock_fixed_tree", "specblock_one_block", "eagle3"):
         split = summary[name]["time_per_iter_ms"]
         total = sum(r.seconds for r in results.prompts if r.method == name) * 1e3
@@ -73,7 +80,7 @@ def test_every_method_runs_and_metrics_are_consistent(tmp_path):
     write_report(results, tmp_path)
     payload = json.loads((tmp_path / "results.json").read_text())
     assert set(payload["per_category"]) == {"writing", "coding"}
-    for key in ("speedup", "tau", "tokens_per_s", "drafting_share", "drafter_forwards_per_iter", "nodes_per_iter",
+    for key in ("speedup", "tau", "tokens_per_target_call", "tokens_per_s", "drafting_share", "drafter_forwards_per_iter", "nodes_per_iter",
                 "identical_to_reference", "left_greedy", "max_fp32_gap"):  # fmt: skip
         assert key in payload["methods"]["specblock"]
     assert (tmp_path / "speedup_tau.png").stat().st_size > 0

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import json
 import time
-from contextlib import nullcontext
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -63,6 +64,7 @@ class PromptResult:
     drafter_forwards: int | None = None
     nodes_verified: int | None = None
     peak_memory_mb: float | None = None
+    target_calls: int | None = None  # target forwards of the whole generate call (prefill included)
     # greedy outputs that left the reference: first differing new token, float32 |logit gap| of the two tokens there
     divergence_position: int | None = None
     fp32_gap: float | None = None
@@ -96,6 +98,7 @@ class BenchmarkResults:
                 "drafting_share": draft_s / (draft_s + verify_s) if trees else None,
                 "drafter_forwards_per_iter": sum(r.drafter_forwards for r in trees) / iters if iters else None,
                 "nodes_per_iter": sum(r.nodes_verified for r in trees) / iters if iters else None,
+                "tokens_per_target_call": _tokens_per_call(mine),
                 "time_per_iter_ms": _time_split(trees, iters),
                 "peak_memory_mb": max((r.peak_memory_mb or 0.0) for r in mine) or None,
                 "identical_to_reference": None if self.settings.get("do_sample") else not left,
@@ -113,6 +116,12 @@ class BenchmarkResults:
             "per_category": {c: self.summary(c) for c in categories},
             "per_prompt": [asdict(r) for r in self.prompts],
         }
+
+
+def _tokens_per_call(rows: list[PromptResult]) -> float | None:
+    """New tokens per target forward, prefill included: tau's analogue for every method, chains too (plain: ~1)."""
+    counted = [r for r in rows if r.target_calls]  # rows of older runs have no count
+    return sum(r.new_tokens for r in counted) / sum(r.target_calls for r in counted) if counted else None
 
 
 def _time_split(trees: list[PromptResult], iters: int) -> dict[str, float] | None:
@@ -148,6 +157,18 @@ def _peak_memory_mb(device: torch.device) -> float | None:
             if line.startswith("VmHWM:"):
                 return int(line.split()[1]) / 2**10  # kB
     return None
+
+
+@contextmanager
+def counted_forwards(model: torch.nn.Module) -> Iterator[list[int]]:
+    """``[n]``: the forward calls of ``model`` inside the block (a pre-hook; a Python call per forward, the same
+    small cost for every method)."""
+    calls = [0]
+    handle = model.register_forward_pre_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+    try:
+        yield calls
+    finally:
+        handle.remove()
 
 
 def _generate(target: PreTrainedModel, inputs, method: Method, max_new_tokens: int, do_sample: bool,
@@ -220,9 +241,10 @@ def run_benchmark(
             drafter = method.generate_kwargs.get("assistant_model")
             if isinstance(drafter, TreeDraftModel):  # a chain run (speculation_type) leaves no tree statistics
                 drafter.last_stats = None
-            start = time.perf_counter()
-            out = _generate(target, inputs, method, max_new_tokens, do_sample, generate_kwargs)
-            seconds = time.perf_counter() - start
+            with counted_forwards(target) as target_calls:
+                start = time.perf_counter()
+                out = _generate(target, inputs, method, max_new_tokens, do_sample, generate_kwargs)
+                seconds = time.perf_counter() - start
             tokens = out[0, prompt_len:].tolist()
             reference = tokens if method.name == REFERENCE else reference
             stats = drafter.last_stats if isinstance(drafter, TreeDraftModel) else None
@@ -240,6 +262,7 @@ def run_benchmark(
                 drafter_forwards=stats.drafter_forwards if stats else None,
                 nodes_verified=sum(stats.nodes_per_iteration) if stats else None,
                 peak_memory_mb=_peak_memory_mb(target.device),
+                target_calls=target_calls[0],
             )
             if float32_target is not None and tokens != reference:  # untimed: after the peak memory is read
                 divergence = first_divergence(float32_target, inputs["input_ids"], reference, tokens)
@@ -272,7 +295,7 @@ def write_report(results: BenchmarkResults, output_dir: str | Path) -> None:
 
 
 def markdown_tables(payload: dict[str, Any]) -> str:
-    columns = ["tokens_per_s", "speedup", "tau", "drafting_share", "drafter_forwards_per_iter", "nodes_per_iter",
+    columns = ["tokens_per_s", "speedup", "tau", "tokens_per_target_call", "drafting_share", "drafter_forwards_per_iter", "nodes_per_iter",
                "peak_memory_mb", "identical_to_reference", "left_greedy", "max_fp32_gap"]  # fmt: skip
     lines = []
     if payload["settings"].get("near_tie_gap") is not None:
