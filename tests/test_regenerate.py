@@ -86,4 +86,6 @@ def test_batches_hold_one_mode_and_similar_lengths():
     prompts = [Prompt(str(i), "q", n, i % 2 == 0) for i, n in enumerate([9, 1, 7, 3, 5, 2])]
     out = batches(prompts, 2)
     assert all(len({p.sampled for p in b}) == 1 for b in out)
-    assert [[p.num_tokens for p in b] for b in out] == [[1, 2], [3], [5, 7], [9]]  # greedy first
+    # greedy (odd ids: 1, 3, 2 tokens) and sampled (even ids: 9, 7, 5) batches alternate, each sorted by length
+    assert [[p.num_tokens for p in b] for b in out] == [[1, 2], [5, 7], [3], [9]]
+    assert [b[0].sampled for b in out] == [False, True, False, True]

@@ -112,12 +112,16 @@ def finished_ids(output: Path) -> set[str]:
 
 
 def batches(todo: list[Prompt], batch_size: int) -> list[list[Prompt]]:
-    """Batches of one decoding mode and similar prompt length, so left padding stays small."""
-    out = []
+    """Batches of one decoding mode and similar prompt length (so left padding stays small), greedy and sampled
+    batches alternating, so a run stopped early has answered both modes in their share."""
+    modes = []
     for sampled in (False, True):
         group = sorted((p for p in todo if p.sampled == sampled), key=lambda p: p.num_tokens)
-        out += [group[i : i + batch_size] for i in range(0, len(group), batch_size)]
-    return out
+        modes.append([group[i : i + batch_size] for i in range(0, len(group), batch_size)])
+    greedy, sampled = modes
+    out = [batch for pair in zip(greedy, sampled) for batch in pair]
+    shorter = min(len(greedy), len(sampled))
+    return out + greedy[shorter:] + sampled[shorter:]
 
 
 def answer_end(answer: list[int], stop_ids: set[int]) -> tuple[int, bool]:
