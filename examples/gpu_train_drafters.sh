@@ -2,7 +2,7 @@
 # Train the three SmolLM2-135M-Instruct drafters (SpecBlock, EAGLE-3, DFlash) on one GPU, side by side, for the same
 # wall-clock budget each, on the target's own answers (regenerated first, on the same GPU) plus ShareGPT.
 #
-#   examples/gpu_train_drafters.sh full  BUNDLE WORK OUT [TRAIN_MINUTES] [REGEN_SECONDS]
+#   examples/gpu_train_drafters.sh full  BUNDLE WORK OUT [TRAIN_MINUTES] [REGEN_SECONDS] [DRAFTERS]
 #   examples/gpu_train_drafters.sh smoke BUNDLE WORK OUT        # random-weight SmolLM2-shaped target, tiny budgets
 #
 # The machine it was written for (a lent H200) reaches no network and has no packaged assets, so BUNDLE brings them:
@@ -14,6 +14,7 @@
 # the usual `specblock-train` output folders (final drafter, model card, trainer_state.json with the learning curve).
 set -euo pipefail
 MODE=$1 BUNDLE=$(realpath "$2") WORK=$3 OUT=$4 TRAIN_MINUTES=${5:-4} REGEN_SECONDS=${6:-90}
+DRAFTERS=${7:-"specblock eagle3 dflash"}  # which of the three to train (side by side)
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 export XDG_CACHE_HOME=$WORK/cache PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false OMP_NUM_THREADS=${OMP_NUM_THREADS:-4}
 export PYTHONPATH=$REPO/src${PYTHONPATH:+:$PYTHONPATH}
@@ -92,11 +93,13 @@ train() {  # name, extra arguments
   timeout "$CAP" $PY -c "from transformers_specblock.commands.cli import train_main; train_main()" "${COMMON[@]}" \
     --output_dir "$OUT/$name" "$@" > "$OUT/$name.log" 2>&1 && echo "$name done" || echo "$name FAILED (see $name.log)"
 }
-echo "== $(date -u +%T) training three drafters side by side, $TRAIN_MINUTES min each"
-train specblock --draft_vocab_size 8192 --block_size 4 --num_blocks 2 --slot_normalization slot0 --fusion_identity_init &
-train eagle3 --drafter eagle3 --draft_vocab_size 8192 &
-train dflash --drafter dflash --mask_token_id 16 --drafter_num_layers 2 --block_size 16 --num_anchors 32 \
-  --loss_decay_gamma 7 &
+declare -A RECIPE=(
+  [specblock]="--draft_vocab_size 8192 --block_size 4 --num_blocks 2 --slot_normalization slot0 --fusion_identity_init"
+  [eagle3]="--drafter eagle3 --draft_vocab_size 8192"
+  [dflash]="--drafter dflash --mask_token_id 16 --drafter_num_layers 2 --block_size 16 --num_anchors 32 --loss_decay_gamma 7"
+)
+echo "== $(date -u +%T) training $DRAFTERS side by side, $TRAIN_MINUTES min each"
+for name in $DRAFTERS; do train "$name" ${RECIPE[$name]} & done
 wait
-for name in specblock eagle3 dflash; do tail -n 4 "$OUT/$name.log"; done
+for name in $DRAFTERS; do tail -n 4 "$OUT/$name.log"; done
 echo "== $(date -u +%T) done"
