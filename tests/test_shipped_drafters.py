@@ -89,3 +89,14 @@ def test_bench_names_the_choices_when_no_drafter_fits():
 
     with pytest.raises(FileNotFoundError, match="neither a local drafter folder nor a shipped drafter"):
         build_methods(BenchArguments(target_model="qwen2.5-coder-1.5b-instruct", methods="specblock"), None)
+
+
+def test_bench_says_when_a_training_folder_holds_no_drafter_yet(tmp_path):
+    """A run still training has checkpoints but no config.json at its top: the error names the latest checkpoint."""
+    from transformers_specblock.commands.cli import BenchArguments, build_methods
+
+    make_drafter(make_target("llama")).save_pretrained(tmp_path / "checkpoint-20")
+    (tmp_path / "checkpoint-100").mkdir()
+    args = BenchArguments(target_model="smollm2-135m-instruct", methods="specblock", specblock_model=str(tmp_path))
+    with pytest.raises(FileNotFoundError, match=r"no config.json.*checkpoint-100"):
+        build_methods(args, None)

@@ -144,6 +144,14 @@ def _load_drafter(path: str | None, kind: str, target_model: str, target) -> Tre
             f"({', '.join(SHIPPED_DRAFTERS)}). Pass --{kind}_model with a drafter: a shipped name, a local folder "
             "or a Hub id."
         )
+    folder = Path(resolve_drafter_path(name_or_path))
+    if folder.is_dir() and not (folder / "config.json").exists():
+        steps = {int(p.name[11:]): p for p in folder.glob("checkpoint-*") if p.name[11:].isdigit()}
+        hint = f" Its latest training checkpoint loads as a drafter: {steps[max(steps)]}." if steps else ""
+        raise FileNotFoundError(
+            f"--{kind}_model {name_or_path}: the folder has no config.json, so it holds no saved drafter (a training "
+            f"run writes it at the end).{hint}"
+        )
     shipped = f"a shipped drafter ({', '.join(SHIPPED_DRAFTERS)})"
     with explain_hub_errors(name_or_path, kind=f"{kind} drafter", names=shipped):
         # a local folder wins over a shipped drafter's name; a Hub id passes through unchanged
