@@ -40,6 +40,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--num_prompts", type=int, default=6)
     parser.add_argument("--max_new_tokens", type=int, default=64)
     parser.add_argument("--report_dir", default="docs/results/shipped-drafter-eval")
+    parser.add_argument(
+        "--tree_budget", type=int, default=None,
+        help="nodes verified per iteration (default: the drafter's own setting; 'auto' may choose not to draft)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
 
     target, tokenizer = load_model(args.target_model, device=args.device, dtype=args.dtype)
@@ -47,11 +51,12 @@ def main(argv: list[str] | None = None) -> None:
         drafter = AutoModel.from_pretrained(resolve_drafter_path(args.drafter), dtype=target.dtype).eval()
     drafter.bind_target(target)  # on the target's device, in its dtype
     hardware = describe_hardware(target.device, target.dtype, drafter.dtype)  # detected now, not typed in
+    settings = {} if args.tree_budget is None else {"tree_budget": args.tree_budget}
     rows = []
     for name in PROMPT_SETS:
         prompts = load_prompts(name, num_prompts=args.num_prompts, tokenizer=tokenizer)
         results = run_benchmark(
-            target, tokenizer, prompts, [Method("drafter", {"assistant_model": drafter})],
+            target, tokenizer, prompts, [Method("drafter", {"assistant_model": drafter}, settings)],
             max_new_tokens=args.max_new_tokens, output_dir=None,
         )  # fmt: skip
         write_report(results, Path(args.report_dir) / name)
@@ -61,6 +66,7 @@ def main(argv: list[str] | None = None) -> None:
                 "dataset": name,
                 "prompts": len(prompts),
                 "max_new_tokens": args.max_new_tokens,
+                "tree_budget": settings.get("tree_budget", drafter.config.tree_budget),
                 "tau": round(summary["tau"], 3),
                 "speedup_vs_plain": round(summary["speedup"], 3),
                 "tokens_per_s": round(summary["tokens_per_s"], 2),
