@@ -295,8 +295,9 @@ def write_report(results: BenchmarkResults, output_dir: str | Path) -> None:
 
 
 def markdown_tables(payload: dict[str, Any]) -> str:
-    columns = ["tokens_per_s", "speedup", "tau", "tokens_per_target_call", "drafting_share", "drafter_forwards_per_iter", "nodes_per_iter",
-               "peak_memory_mb", "identical_to_reference", "left_greedy", "max_fp32_gap"]  # fmt: skip
+    columns = ["tokens_per_s", "speedup", "tau", "tokens_per_target_call", "drafting_share",
+               "drafter_forwards_per_iter", "nodes_per_iter", "peak_memory_mb", "identical_to_reference", "left_greedy",
+               "max_fp32_gap"]  # fmt: skip
     lines = []
     if payload["settings"].get("near_tie_gap") is not None:
         lines += [f"left_greedy: greedy outputs that differ from plain `generate`; max_fp32_gap: the largest float32 "
