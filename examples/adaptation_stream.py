@@ -5,7 +5,8 @@ code, then chat, a shuffled mix of both, and held-out ShareGPT (in domain), unde
         --num_code 12 --num_chat 6 --num_sharegpt 8 --max_new_tokens 48
 
 A run is (stream, drafter, policy): a freshly loaded drafter serves the stream's prompts one `generate` call each
-(greedy, a fixed tree budget); every call is timed from the call to the return, so the update time (run inside the
+(greedy, a fixed tree budget); the runs of one stream are interleaved prompt by prompt, so that the machine's slower
+spells hit every policy alike. Every call is timed from the call to the return, so the update time (run inside the
 call) is included. Per call: tau, tokens, seconds, the adaptation action, its time and signal, rollbacks, and whether
 the output equals plain `generate` (one plain reference per prompt, also the throughput baseline). Writes
 `calls.jsonl` (resumable: finished runs are skipped), `results.json`, `results.md` and `tau_along_stream.png`.
@@ -30,10 +31,11 @@ DRAFTERS = {
     "specblock": (SpecBlockDraftModel, "specblock-smollm2-135m-instruct"),
     "eagle3": (Eagle3DraftModel, "eagle3-smollm2-135m-instruct"),
 }
+POLICIES = ("off", "always", "head_only", "full", "bandit")
 DEFAULT_RUNS = (
-    [f"shift/specblock/{p}" for p in ("off", "always", "head_only", "full", "bandit")]
-    + ["shift/eagle3/off", "shift/eagle3/bandit", "mixed/specblock/off", "mixed/specblock/bandit"]
-    + ["sharegpt/specblock/off", "sharegpt/specblock/bandit", "sharegpt/eagle3/off", "sharegpt/eagle3/bandit"]
+    [f"shift/{drafter}/{policy}" for drafter in DRAFTERS for policy in POLICIES]
+    + ["mixed/specblock/off", "mixed/specblock/bandit"]
+    + [f"sharegpt/{drafter}/{policy}" for drafter in DRAFTERS for policy in ("off", "bandit")]
 )
 
 
@@ -83,33 +85,42 @@ def plain_references(target, tokenizer, streams, max_new_tokens: int) -> dict[st
     return references
 
 
-def serve(target, tokenizer, stream: list[dict], drafter_name: str, policy: str, args, references) -> list[dict]:
-    """One run: a fresh drafter serves the stream; one row per call."""
+def load_drafter(drafter_name: str, policy: str, tokenizer, target, args):
+    """A freshly loaded drafter under `policy`, warmed up untimed (the warm-up leaves its weights as loaded)."""
     cls, path = DRAFTERS[drafter_name]
     drafter = cls.from_pretrained(path, online_adaptation=policy, tree_budget=args.tree_budget)
-    warmup = encode(tokenizer, {"text": "Hello"})
-    with drafter.tree_settings(online_adaptation="off"):  # untimed, leaves the weights as loaded
-        target.generate(**warmup, assistant_model=drafter, do_sample=False, max_new_tokens=8)
-    rows = []
+    with drafter.tree_settings(online_adaptation="off"):
+        target.generate(**encode(tokenizer, {"text": "Hello"}), assistant_model=drafter, max_new_tokens=8)
+    return drafter
+
+
+def serve(target, tokenizer, stream: list[dict], runs: list[str], args, references) -> dict[str, list[dict]]:
+    """The runs of one stream, interleaved: each prompt is served by every run's own drafter in turn, so a slower
+    spell of the machine hits all policies alike. One row per run and call."""
+    drafters = {run: load_drafter(*run.split("/")[1:], tokenizer, target, args) for run in runs}
+    rows: dict[str, list[dict]] = {run: [] for run in runs}
     for index, row in enumerate(stream):
         inputs = encode(tokenizer, row)
-        start = time.perf_counter()
-        out = target.generate(**inputs, assistant_model=drafter, do_sample=False, max_new_tokens=args.max_new_tokens)
-        seconds = time.perf_counter() - start
-        stats = drafter.last_stats
-        new = out[0, inputs["input_ids"].shape[1] :].tolist()
-        rows.append({
-            "call": index, "prompt_id": row["id"], "domain": row["domain"], "new_tokens": len(new),
-            "seconds": seconds, "plain_seconds": references[row["id"]]["seconds"], "tau": stats.tau,
-            "action": stats.adaptation_action, "update_s": stats.adaptation_time_s,
-            "signal": stats.adaptation_signal, "signal_wrong": stats.adaptation_signal_wrong,
-            "rolled_back": stats.adaptation_rolled_back, "restored_loaded": stats.adaptation_restored_loaded,
-            "identical": new == references[row["id"]]["tokens"],
-        })  # fmt: skip
-        print(f"  call {index:2d} {row['domain']:8s} tau {stats.tau:.2f} {len(new) / seconds:5.1f} tok/s "
-              f"{stats.adaptation_action:9s} update {stats.adaptation_time_s:.2f}s"
-              f"{' rolled back' if stats.adaptation_rolled_back else ''}"
-              f"{' loaded head back' if stats.adaptation_restored_loaded else ''}", flush=True)  # fmt: skip
+        for run, drafter in drafters.items():
+            start = time.perf_counter()
+            out = target.generate(
+                **inputs, assistant_model=drafter, do_sample=False, max_new_tokens=args.max_new_tokens
+            )
+            seconds = time.perf_counter() - start
+            stats = drafter.last_stats
+            new = out[0, inputs["input_ids"].shape[1] :].tolist()
+            rows[run].append({
+                "call": index, "prompt_id": row["id"], "domain": row["domain"], "new_tokens": len(new),
+                "seconds": seconds, "plain_seconds": references[row["id"]]["seconds"], "tau": stats.tau,
+                "action": stats.adaptation_action, "update_s": stats.adaptation_time_s,
+                "signal": stats.adaptation_signal, "signal_wrong": stats.adaptation_signal_wrong,
+                "rolled_back": stats.adaptation_rolled_back, "restored_loaded": stats.adaptation_restored_loaded,
+                "identical": new == references[row["id"]]["tokens"],
+            })  # fmt: skip
+            print(f"  call {index:2d} {row['domain']:8s} {run:24s} tau {stats.tau:.2f} {len(new) / seconds:5.1f} "
+                  f"tok/s {stats.adaptation_action:9s} update {stats.adaptation_time_s:.2f}s"
+                  f"{' rolled back' if stats.adaptation_rolled_back else ''}"
+                  f"{' loaded back' if stats.adaptation_restored_loaded else ''}", flush=True)  # fmt: skip
     return rows
 
 
@@ -200,16 +211,17 @@ def main() -> None:
         for line in log.read_text().splitlines():
             record = json.loads(line)
             done[record["run"]] = record["calls"]
-    results = {}
-    for run in args.runs.split(","):
-        stream, drafter_name, policy = run.split("/")
-        if run not in done:
-            print(f"{run}: {len(streams[stream])} calls", flush=True)
-            calls = serve(target, tokenizer, streams[stream], drafter_name, policy, args, references)
+    runs = args.runs.split(",")
+    for stream in dict.fromkeys(run.split("/")[0] for run in runs):
+        todo = [run for run in runs if run.startswith(stream + "/") and run not in done]
+        if todo:
+            print(f"{stream}: {len(streams[stream])} calls x {len(todo)} runs, interleaved", flush=True)
+            served = serve(target, tokenizer, streams[stream], todo, args, references)
             with log.open("a") as f:
-                f.write(json.dumps({"run": run, "calls": calls}) + "\n")
-            done[run] = calls
-        results[run] = {"summary": summarise(done[run]), "calls": done[run]}
+                for run, calls in served.items():
+                    f.write(json.dumps({"run": run, "calls": calls}) + "\n")
+            done.update(served)
+    results = {run: {"summary": summarise(done[run]), "calls": done[run]} for run in runs}
     settings = {k: v for k, v in vars(args).items() if k != "output_dir"} | {"torch_threads": torch.get_num_threads()}
     write_report(out_dir, results, settings)
     print((out_dir / "results.md").read_text())
