@@ -214,13 +214,14 @@ def _bandit_run(arms, net_throughput, calls=60):
 def test_bandit_updates_while_the_gain_exceeds_the_cost():
     # head-only: +20% speed for 0.2 s (of a 3.2 s call); full: +25% for 2 s; skip: nothing
     taken = _bandit_run((HEAD_ONLY, FULL, SKIP), {SKIP: (20.0, 0.0), HEAD_ONLY: (24.0, 0.2), FULL: (25.0, 2.0)})
-    assert taken[:3] == [HEAD_ONLY, FULL, SKIP]  # every arm measured once, updates first
+    assert taken[:3] == [HEAD_ONLY, SKIP, FULL]  # the cheap update and skip first; full once head-only paid
     assert taken[-30:].count(HEAD_ONLY) >= 20
 
 
 def test_bandit_skips_when_updates_cost_more_than_they_buy():
     taken = _bandit_run((HEAD_ONLY, FULL, SKIP), {SKIP: (20.0, 0.0), HEAD_ONLY: (20.5, 0.5), FULL: (21.0, 2.0)})
     assert taken[-30:].count(SKIP) >= 20
+    assert FULL not in taken  # head-only never paid: the costlier update is not explored
     taken = _bandit_run((FULL, SKIP), {SKIP: (20.0, 0.0), FULL: (30.0, 0.3)})  # the "full" policy's arms
     assert taken[-30:].count(FULL) >= 20
 
