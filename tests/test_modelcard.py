@@ -215,12 +215,10 @@ def test_shipped_cards_are_what_the_generator_makes_of_their_config(tmp_path):
         # the two CPU-trained drafters: ShareGPT's own answers
         assert info["self_distilled"] is False and "NOT responses regenerated" in info["data"]
         assert all(row["hardware"].endswith("; target float32, drafter float32") for row in config["eval_results"])
-        if folder.name.startswith("eagle3"):  # records filled in after training, which the card says
-            assert "backfilled" in info and "backfilled" in generated
-            continue
-        # SpecBlock, retrained with the new recipe over four sessions: records complete, every session in the card
-        assert "backfilled" not in info and len(info["sessions"]) == 4
-        assert "steps 280-350" in generated
+        # both retrained with the new recipe, resumed over several sessions: records complete, every session in the card
+        sessions, last = (3, "steps 150-700") if folder.name.startswith("eagle3") else (4, "steps 280-350")
+        assert "backfilled" not in info and "backfilled" not in generated
+        assert len(info["sessions"]) == sessions and last in generated
     assert card_main(["--check", *map(str, folders)]) == 0
     # --check notices a hand edit
     copy = tmp_path / "copy"
