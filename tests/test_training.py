@@ -384,6 +384,14 @@ def test_resume_from_checkpoint_matches_uninterrupted_run(workspace):
         torch.testing.assert_close(a[key], b[key], rtol=1e-5, atol=1e-6)
 
 
+def test_a_resumed_session_saves_at_its_own_save_steps(workspace):
+    out = workspace["root"] / "run"
+    train_main(common_args(workspace, out, "--max_steps", "2", "--save_strategy", "steps", "--save_steps", "2"))
+    resume = ["--max_steps", "4", "--save_strategy", "steps", "--save_steps", "1"]
+    train_main(common_args(workspace, out, *resume, "--resume_from_checkpoint", str(out / "checkpoint-2")))
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-3", "checkpoint-4"]
+
+
 DISTRIBUTED_ENV = {  # what a launcher (torchrun, accelerate, an outer DDP job) leaves for its workers
     "MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
     "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_NAME", "ROLE_WORLD_SIZE", "NODE_RANK", "GLOO_SOCKET_IFNAME",

@@ -23,12 +23,15 @@ final model card lists every session."""
 
 
 class _SessionRecorder(TrainerCallback):
-    """Appends the trainer's `session_record` to the (restored) log history when a session starts."""
+    """Appends the trainer's `session_record` to the (restored) log history when a session starts, and lets a resumed
+    session log, evaluate and save at its own ``--logging_steps`` / ``--eval_steps`` / ``--save_steps`` (`Trainer`
+    keeps the checkpoint's and only warns)."""
 
     def __init__(self, trainer: "SpecBlockTrainer") -> None:
         self.trainer = trainer
 
     def on_train_begin(self, args, state, control, **kwargs):  # noqa: D102
+        state.compute_steps(args, state.max_steps)
         if self.trainer.session_record is not None:
             state.log_history.append({"step": state.global_step, SESSION_KEY: dict(self.trainer.session_record)})
 
