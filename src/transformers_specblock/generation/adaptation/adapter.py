@@ -75,6 +75,7 @@ class OnlineAdapter:
         self.bandits: dict[str, CostAwareBandit] = {}
         self.body_version = 0
         self.pending: _Pending | None = None
+        self.last_update: str | None = None  # the update action that made the current weights
         self.recent_tau: deque[float] = deque(maxlen=REFERENCE_CALLS)
         self.report = AdaptationReport()
         self.fresh: list[SignalSample] = []  # this call's samples: held out until the update after it
@@ -124,6 +125,9 @@ class OnlineAdapter:
         self._keep_better_output_side()
         sync(self.drafter.device)
         check_seconds = time.perf_counter() - start  # charged to the action like the update itself
+        bandit = self.bandits.get(self.policy)
+        if self.report.restored_loaded and bandit is not None and self.last_update in bandit.arms:
+            bandit.reject(self.last_update)
         self.recent_tau.append(tau)
         action = self.choose_action()
         snapshot, seconds = None, check_seconds
@@ -138,6 +142,7 @@ class OnlineAdapter:
             else:
                 self.report.loss = loss
                 seconds += time.perf_counter() - start
+                self.last_update = action
             if action == FULL:
                 self.body_version += 1  # stored states of earlier samples no longer match the body
         reference = sum(self.recent_tau) / len(self.recent_tau)
