@@ -3,7 +3,7 @@
 # finished prompts of an interrupted run are kept (out/bench/<run>/per_prompt.jsonl). Results land in
 # out/bench/<run>/{results.json,results.md,speedup_tau.png,time_per_iteration.png}.
 #
-#   bash examples/benchmark_suite.sh                # SmolLM2-135M-Instruct runs (about 45 minutes on 2 CPU cores)
+#   bash examples/benchmark_suite.sh                # SmolLM2-135M-Instruct runs (about 80 minutes on 2 CPU cores)
 #   bash examples/benchmark_suite.sh qwen           # + Qwen2.5-Coder-1.5B with assisted generation (make qwen-models)
 set -euo pipefail
 
@@ -19,6 +19,13 @@ specblock-bench $SMOL --dataset mt_bench --methods plain,eagle3,specblock --do_s
 specblock-bench $SMOL --dataset mt_bench \
     --methods plain,specblock@2,specblock@4,specblock@8,specblock@16,specblock@32,specblock@auto,eagle3@auto \
     --output_dir "$OUT/smollm2-mt_bench-budgets"
+
+# The drafters side by side at equal training compute: prompt lookup, EAGLE-3, SpecBlock, and DFlash both as our tree
+# (its shipped budget 8, like the others, and "auto") and as transformers' own speculation_type="dflash" chain.
+FOUR=plain,prompt_lookup,eagle3,specblock,specblock_one_block,dflash,dflash@auto,dflash_chain
+for dataset in mt_bench humaneval; do
+    specblock-bench $SMOL --dataset "$dataset" --methods "$FOUR" --output_dir "$OUT/smollm2-$dataset-four"
+done
 
 # Free candidates (prompt lookup / n-gram cache in the tree), both dtypes: float32 is the exactness reference, and
 # bfloat16 pays only on a CPU that multiplies it natively (AVX512-BF16 / AMX; the results record the CPU's flags).
