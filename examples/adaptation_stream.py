@@ -115,6 +115,7 @@ def serve(target, tokenizer, stream: list[dict], runs: list[str], args, referenc
                 "action": stats.adaptation_action, "update_s": stats.adaptation_time_s,
                 "signal": stats.adaptation_signal, "signal_wrong": stats.adaptation_signal_wrong,
                 "rolled_back": stats.adaptation_rolled_back, "restored_loaded": stats.adaptation_restored_loaded,
+                "held_out_gain": stats.adaptation_held_out_gain,
                 "identical": new == references[row["id"]]["tokens"],
             })  # fmt: skip
             print(f"  call {index:2d} {row['domain']:8s} {run:24s} tau {stats.tau:.2f} {len(new) / seconds:5.1f} "

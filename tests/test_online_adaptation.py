@@ -7,6 +7,7 @@ each policy acts when it should, a drop in tau rolls an update back, and reset /
 
 from __future__ import annotations
 
+import math
 from types import SimpleNamespace
 
 import pytest
@@ -25,8 +26,9 @@ from transformers_specblock.generation.adaptation import (
     collect_signal,
     online_adapter_for,
 )
+from transformers_specblock.generation.adaptation.adapter import ESCALATION_GAIN
 from transformers_specblock.generation.adaptation.signal import target_to_draft_ids
-from transformers_specblock.generation.adaptation.update import DrafterUpdater, adaptation_loss, output_parameters
+from transformers_specblock.generation.adaptation.update import adaptation_loss, output_parameters, update_drafter
 from transformers_specblock.generation.tree import DraftTree
 
 POLICIES = ["off", "always", "head_only", "full", "bandit"]
@@ -185,16 +187,17 @@ def test_updates_learn_and_touch_only_their_weights(kind):
         states = torch.stack([s.state for s in samples])
         with torch.no_grad():
             loss_before = float(adaptation_loss(drafter, samples, states))
-        assert DrafterUpdater(drafter, 1e-2).update(action, adapter.buffer, adapter.body_version) is not None
+        assert update_drafter(drafter, action, adapter.buffer, adapter.body_version, 1e-2) is not None
         moved = {name for name, param in drafter.named_parameters() if not torch.equal(param, before[name])}
         assert {n for n, p in drafter.named_parameters() if id(p) in head} <= moved
         body_moved = {n for n, p in drafter.named_parameters() if id(p) not in head} & moved
         assert body_moved if action == FULL else not body_moved, body_moved
+        assert not {n for n in moved if n.startswith("rank_head.")}  # the rank head is not trained online
         if action == HEAD_ONLY:
             with torch.no_grad():
                 assert float(adaptation_loss(drafter, samples, states)) < loss_before
     assert all(p.grad is None for p in drafter.parameters())  # no gradients left behind
-    assert DrafterUpdater(drafter, 1e-2).update(HEAD_ONLY, SignalBuffer(4), 0) is None  # no signal, no step
+    assert update_drafter(drafter, HEAD_ONLY, SignalBuffer(4), 0, 1e-2) is None  # no signal, no step
 
 
 # ------------------------------------------------------------------------------------------------ the policies
@@ -217,7 +220,8 @@ def _bandit_run(arms, net_throughput, calls=60, rejected=()):
 def test_bandit_updates_while_the_gain_exceeds_the_cost():
     # head-only: +20% speed for 0.2 s (of a 3.2 s call); full: +25% for 2 s; skip: nothing
     taken = _bandit_run((HEAD_ONLY, FULL, SKIP), {SKIP: (20.0, 0.0), HEAD_ONLY: (24.0, 0.2), FULL: (25.0, 2.0)})
-    assert taken[:3] == [HEAD_ONLY, SKIP, FULL]  # the cheap update and skip first; full once head-only paid
+    # the cheap update and skip first; full once head-only paid over two pulls
+    assert taken[:4] == [HEAD_ONLY, SKIP, HEAD_ONLY, FULL]
     assert taken[-30:].count(HEAD_ONLY) >= 20
 
 
@@ -236,6 +240,59 @@ def test_bandit_stops_updating_when_the_held_out_check_rejects_its_updates():
     assert _bandit_run((HEAD_ONLY, FULL, SKIP), speeds)[-30:].count(HEAD_ONLY) >= 20
     taken = _bandit_run((HEAD_ONLY, FULL, SKIP), speeds, rejected=(HEAD_ONLY,))
     assert taken[-30:].count(SKIP) >= 25 and FULL not in taken
+
+
+def test_one_lucky_head_update_does_not_open_the_whole_drafter_update():
+    bandit = CostAwareBandit((HEAD_ONLY, FULL, SKIP))
+    bandit.record(HEAD_ONLY, 64, 2.0, 0.1)  # one head-only call that noise made faster than...
+    bandit.record(SKIP, 64, 3.0, 0.0)  # ...the skip after it
+    assert bandit.mean(HEAD_ONLY) > bandit.mean(SKIP)
+    assert bandit.choose() == HEAD_ONLY  # measured once more before the costlier update is explored
+    bandit.record(HEAD_ONLY, 64, 2.0, 0.1)
+    assert bandit.choose() == FULL
+
+
+@pytest.mark.parametrize("reference_calls", [1, 2])
+def test_a_rolled_back_update_is_charged_to_its_arm(reference_calls):
+    target = make_target("llama", vocab_size=VOCAB, seed=1)
+    drafter = _drafter("specblock", target, online_adaptation="bandit")
+    _serve(target, drafter, calls=1)  # the bandit's first action: a head-only update
+    adapter = online_adapter_for(drafter)
+    bandit = adapter.bandits["bandit"]
+    assert adapter.pending.action == HEAD_ONLY and adapter.pending.reference_calls == 1
+    adapter.pending.reference_calls = reference_calls  # (2: as if a call before had set the reference too)
+    adapter.finish_call(new_tokens=10, decode_seconds=1.0, tau=0.1 * adapter.pending.reference_tau)
+    if reference_calls == 1:  # one call's tau is no reference (prompts differ too much): no rollback
+        assert not adapter.report.rolled_back and bandit.counts[HEAD_ONLY] == pytest.approx(1.0)
+    else:  # the throughput reward of the call after it, and a zero-reward pull for the thrown-away weights
+        assert adapter.report.rolled_back and bandit.pulls[HEAD_ONLY] == 1
+        assert bandit.counts[HEAD_ONLY] == pytest.approx(2.0)
+
+
+def test_no_whole_drafter_update_where_the_held_out_check_sees_no_gain():
+    bandit = CostAwareBandit((HEAD_ONLY, FULL, SKIP))
+    for arm, decode in ((HEAD_ONLY, 2.0), (SKIP, 3.0), (HEAD_ONLY, 2.0)):  # head-only pays, twice
+        bandit.record(arm, 64, decode, 0.1)
+    assert bandit.choose(escalate=False) == HEAD_ONLY and bandit.choose() == FULL
+    bandit.record(FULL, 64, 1.0, 0.1)  # once tried and the best by far: still left out without escalation
+    assert bandit.choose(escalate=False) != FULL and bandit.choose() == FULL
+
+
+def test_the_held_out_gain_gates_the_whole_drafter_update():
+    target = make_target("llama", vocab_size=VOCAB, seed=1)
+    drafter = _drafter("specblock", target, online_adaptation="bandit")
+    _serve(target, drafter, calls=1)
+    assert math.isnan(drafter.last_stats.adaptation_held_out_gain)  # nothing adapted yet
+    adapter = online_adapter_for(drafter)
+    bandit = adapter.bandits["bandit"]
+    for arm in (HEAD_ONLY, SKIP, HEAD_ONLY):  # head-only has paid twice: the bandit wants to try "full"
+        bandit.record(arm, 64, 2.0 if arm == HEAD_ONLY else 3.0, 0.0)
+    adapter.report.held_out_gain = 0.0
+    assert adapter.choose_action() == HEAD_ONLY
+    adapter.report.held_out_gain = ESCALATION_GAIN
+    assert adapter.choose_action() == FULL
+    _serve(target, drafter, calls=1)  # measured on every call after an update
+    assert -1.0 <= drafter.last_stats.adaptation_held_out_gain <= 1.0
 
 
 def test_a_rejected_update_is_charged_to_its_arm():
@@ -302,7 +359,7 @@ def test_the_loaded_output_side_comes_back_where_it_does_better():
     online_adapter_for(drafter).pending = None  # no tau-based rollback to the previous (sound) head first
     _serve(target, drafter, calls=1)  # held out: this call's signal, then an update from the loaded head
     assert drafter.last_stats.adaptation_restored_loaded
-    # the loaded weights, then this call's 4 Adam steps at 1e-3 (the negated head was 2|w| away)
+    # the loaded weights, then this call's 4 gradient steps (the negated head was 2|w| away)
     assert float((drafter.lm_head.weight.detach() - loaded["lm_head.weight"]).abs().max()) < 0.01
 
 
@@ -318,7 +375,7 @@ def test_the_loaded_drafter_comes_back_after_whole_drafter_updates():
     online_adapter_for(drafter).pending = None
     _serve(target, drafter, calls=1)
     assert drafter.last_stats.adaptation_restored_loaded
-    # the loaded weights, then this call's 4 Adam steps (1e-3 output side, 1e-4 body)
+    # the loaded weights, then this call's 4 gradient steps (1e-2 output side, 1e-3 body)
     assert all(float((p.detach() - loaded[n]).abs().max()) < 0.01 for n, p in drafter.named_parameters())
 
 

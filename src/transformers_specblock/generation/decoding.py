@@ -48,14 +48,16 @@ class SpecBlockStats:
     accepted_by_source: dict[str, int] = field(default_factory=dict)  # accepted drafted tokens each source proposed
     # online adaptation (`generation.adaptation`): the action taken after this call's tokens ("off", "skip",
     # "head_only", "full"), its time (inside total_time_s), the signal samples captured (of which the drafter's
-    # best proposal was wrong), whether the previous call's update was rolled back and whether the loaded output
-    # side was put back (it did better on this call's signal)
+    # best proposal was wrong), whether the previous call's update was rolled back, whether the loaded output
+    # side was put back (it did better on this call's signal), and the served minus the loaded weights' first-proposal
+    # acceptance on this call's depth-1 signal (nan before the first update)
     adaptation_action: str = "off"
     adaptation_time_s: float = 0.0
     adaptation_signal: int = 0
     adaptation_signal_wrong: int = 0
     adaptation_rolled_back: bool = False
     adaptation_restored_loaded: bool = False
+    adaptation_held_out_gain: float = float("nan")
 
     @property
     def tau(self) -> float:
@@ -219,6 +221,7 @@ def tree_speculative_decoding(
         stats.adaptation_action, stats.adaptation_time_s = report.action, report.update_time_s
         stats.adaptation_signal, stats.adaptation_signal_wrong = report.signal, report.signal_wrong
         stats.adaptation_rolled_back, stats.adaptation_restored_loaded = report.rolled_back, report.restored_loaded
+        stats.adaptation_held_out_gain = report.held_out_gain
     stats.total_time_s = time.perf_counter() - started
     drafter.last_stats = stats
     return outputs.result(input_ids, cache)

@@ -8,7 +8,7 @@ adapter.py (the per-drafter state the decoding loop drives: capture, score, roll
 from .adapter import AdaptationReport, OnlineAdapter, online_adapter_for
 from .bandit import SKIP, CostAwareBandit
 from .signal import SignalBuffer, SignalSample, collect_signal
-from .update import FULL, HEAD_ONLY, DrafterUpdater
+from .update import FULL, HEAD_ONLY, update_drafter
 
 __all__ = [
     "FULL",
@@ -16,10 +16,10 @@ __all__ = [
     "SKIP",
     "AdaptationReport",
     "CostAwareBandit",
-    "DrafterUpdater",
     "OnlineAdapter",
     "SignalBuffer",
     "SignalSample",
     "collect_signal",
     "online_adapter_for",
+    "update_drafter",
 ]

@@ -9,12 +9,18 @@ it costs; when the drafter has caught up (or an update is too slow for the devic
 Choice: discounted UCB (Garivier & Moulines 2011): every arm's reward sum and count decay by `discount` per call,
 so the estimates follow a stream whose domain shifts. Arms are given cheapest update first; that one and "skip"
 are measured first, and a costlier update ("full": the head step plus a replay of the body, 3-4x the time) is tried
-only once a cheaper update has beaten "skip" - where a head-only update does not pay, a whole-drafter one is not
-explored (measured: its one exploratory call cost a quarter of a call's time in domain).
+only once a cheaper update has beaten "skip" over at least `escalate_after` pulls - where a head-only update does
+not pay, a whole-drafter one is not explored (measured in domain: one exploratory call cost a quarter of a call's
+time, and one head-only reward that noise had put above "skip" was enough to explore it twice in 15 calls).
+
+The same held-out check also gates the costlier arms: the adapter lets the bandit explore or take "full" only on
+a call where the adapted weights beat the loaded ones on the call's fresh signal by `ESCALATION_GAIN` (`choose(
+escalate=...)`): a whole-drafter update is worth its cost where adapting measurably helps, not in domain.
 
 A second, low-noise signal: when the held-out check finds the loaded weights better than the adapted ones on a call's
-fresh signal (same states, no throughput noise) and puts them back, the update arm that made them is charged a pull
-with reward 0 (`reject`): an update whose weights were thrown away bought nothing. Throughput rewards vary by +-20%
+fresh signal (same states, no throughput noise) and puts them back, or the tau check rolls an update back, the update
+arm that made them is charged a pull with reward 0 (`reject`): an update whose weights were thrown away bought
+nothing. Throughput rewards vary by +-20%
 between prompts, so without it the bandit kept updating in domain although most updates were thrown away (measured
 on 15 held-out ShareGPT calls: 9-10 head updates, 6-7 of them rejected, tau -6 to -8%).
 """
@@ -30,27 +36,38 @@ class CostAwareBandit:
     """Discounted UCB over `arms` with throughput-net-of-update-time rewards (see the module docstring)."""
 
     def __init__(
-        self, arms: tuple[str, ...], discount: float = 0.95, exploration: float = 0.15, scale_decay: float = 0.8
+        self,
+        arms: tuple[str, ...],
+        discount: float = 0.95,
+        exploration: float = 0.15,
+        scale_decay: float = 0.8,
+        escalate_after: int = 2,
     ) -> None:
         self.arms = arms
         self.discount = discount
         self.exploration = exploration
         self.scale_decay = scale_decay
+        self.escalate_after = escalate_after
+        self.pulls = dict.fromkeys(arms, 0)  # scored pulls (`record`)
         self.counts = dict.fromkeys(arms, 0.0)  # discounted number of pulls
         self.sums = dict.fromkeys(arms, 0.0)  # discounted reward sums
         self.scale: float | None = None  # running throughput (tokens/s) without update time
 
-    def choose(self) -> str:
+    def choose(self, escalate: bool = True) -> str:
         """The arm to take now: the cheapest update and "skip" are measured first; a costlier update arm is tried
-        only once a cheaper one has beaten "skip"; then the highest upper confidence bound among the tried arms."""
-        tried = [arm for arm in self.arms if self.counts[arm] > 0.0]
-        for arm in (self.arms[0], SKIP):
-            if arm in self.arms and arm not in tried:
+        only once a cheaper one has beaten "skip" over `escalate_after` pulls; then the highest upper confidence
+        bound among the tried arms. `escalate=False` (the held-out check saw no gain from adapting) leaves the
+        costlier update arms out."""
+        cheapest = [self.arms[0], SKIP] if SKIP in self.arms and self.arms[0] != SKIP else [self.arms[0]]
+        eligible = [arm for arm in self.arms if escalate or arm in cheapest]
+        tried = [arm for arm in eligible if self.counts[arm] > 0.0]
+        for arm in cheapest:
+            if arm not in tried:
                 return arm
         baseline = self.mean(SKIP) if SKIP in self.arms else -math.inf
         for index, arm in enumerate(self.arms):
-            cheaper = [a for a in self.arms[:index] if a != SKIP and a in tried]
-            if arm not in tried and any(self.mean(a) > baseline for a in cheaper):
+            cheaper = [a for a in self.arms[:index] if a != SKIP and self.pulls[a] >= self.escalate_after]
+            if arm in eligible and arm not in tried and any(self.mean(a) > baseline for a in cheaper):
                 return arm
         total = sum(self.counts.values())
         bounds = {
@@ -77,5 +94,6 @@ class CostAwareBandit:
             self.counts[name] *= self.discount
             self.sums[name] *= self.discount
         self.counts[arm] += 1.0
+        self.pulls[arm] += 1
         self.sums[arm] += reward
         return reward

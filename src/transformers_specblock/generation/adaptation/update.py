@@ -1,18 +1,17 @@
 """The online update: soft cross-entropy (forward KL up to a constant) of the drafter's distribution to the target's
-top-k at the signal's positions, with a small Adam step.
+top-k at the signal's positions, with a few plain gradient steps.
 
-- "head_only" trains the output side (`lm_head`, and the rank head where the drafter has one) on the stored drafter
-  states: no drafter forward, an order of magnitude cheaper than
-- "full", which also trains every drafter weight by replaying the samples' committed contexts (the last
+- "head_only" trains the output side (`lm_head`) on the stored drafter states: no drafter forward, an order of
+  magnitude cheaper than
+- "full", which also trains the drafter's body by replaying the samples' committed contexts (the last
   `adaptation_context` positions before each sample's root) through the drafter with gradients.
-The rank head learns the class of the target's top token's rank under the updated draft distribution (plain cross
-entropy; the training loss's distance weighting lives in `training`, which generation may not import).
+SpecBlock's rank head is not trained online (it still sees the adapted head's distribution through its features):
+trained on one call's labels it cost tau on the next call, in domain and out (measured, docs/design.md).
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from transformers import DynamicCache
 
@@ -22,28 +21,27 @@ from ...models.tree_drafter.modeling_tree_drafter import TreeDraftModel
 from .signal import SignalBuffer, SignalSample
 
 HEAD_ONLY, FULL = "head_only", "full"
-HEAD_STEPS, HEAD_BATCH = 4, 64  # Adam steps per update, newest stored states per step (output side)
-FULL_STEPS, FULL_BATCH = 4, 16  # Adam steps per whole-drafter update, newest replayable samples per step
+HEAD_STEPS, HEAD_BATCH = 4, 64  # gradient steps per update, newest stored states per step (output side)
+FULL_STEPS, FULL_BATCH = 4, 16  # gradient steps per whole-drafter update, newest replayable samples per step
 BODY_LR_SCALE = 0.1  # the body's learning rate relative to the output side's (at 1x a full update lowered tau)
 
 
 def output_parameters(drafter: TreeDraftModel) -> list[nn.Parameter]:
-    """The output side: `lm_head`, plus the rank head where the drafter has one."""
-    params = list(drafter.lm_head.parameters())
-    if isinstance(drafter, SpecBlockDraftModel):
-        params += list(drafter.rank_head.parameters())
-    return params
+    """The output side: `lm_head`."""
+    return list(drafter.lm_head.parameters())
 
 
 def trainable_parameters(drafter: TreeDraftModel, action: str) -> list[nn.Parameter]:
-    return output_parameters(drafter) if action == HEAD_ONLY else list(drafter.parameters())
+    """What `action` trains: the output side, or every weight but the rank head (see the module docstring)."""
+    if action == HEAD_ONLY:
+        return output_parameters(drafter)
+    frozen = {id(p) for p in drafter.rank_head.parameters()} if isinstance(drafter, SpecBlockDraftModel) else set()
+    return [p for p in drafter.parameters() if id(p) not in frozen]
 
 
-def draft_heads(drafter: TreeDraftModel, states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Pre-norm drafter states [S, H] -> draft logits [S, Vd] and rank logits [S, C] (None without a rank head)."""
-    if isinstance(drafter, SpecBlockDraftModel):
-        return drafter.heads(states)
-    return drafter.lm_head(drafter.norm(states)), None
+def draft_logits(drafter: TreeDraftModel, states: torch.Tensor) -> torch.Tensor:
+    """Pre-norm drafter states [S, H] -> draft logits [S, Vd]."""
+    return drafter.lm_head(drafter.norm(states))
 
 
 def replay_states(drafter: TreeDraftModel, samples: list[SignalSample]) -> torch.Tensor:
@@ -105,18 +103,13 @@ def _replay_root_outputs(
 def adaptation_loss(
     drafter: TreeDraftModel, samples: list[SignalSample], states: torch.Tensor
 ) -> torch.Tensor:
-    """Soft cross entropy to the target's top-k (renormalised over the draft vocabulary's part of it), plus the rank
-    head's cross entropy where the drafter has one. states: [S, H]."""
-    logits, rank_logits = draft_heads(drafter, states)
+    """Soft cross entropy to the target's top-k (renormalised over the draft vocabulary's part of it). states: [S, H]."""
+    logits = draft_logits(drafter, states)
     log_q = logits.float().log_softmax(-1)  # [S, Vd]
     ids = torch.stack([s.target_ids for s in samples]).to(log_q.device)  # [S, k]
     probs = torch.stack([s.target_probs for s in samples]).to(log_q.device) * (ids >= 0)
     probs = probs / probs.sum(-1, keepdim=True).clamp(min=1e-12)
-    loss = -(probs * log_q.gather(1, ids.clamp(min=0))).sum(-1).mean()
-    if rank_logits is not None:
-        labels = rank_classes(logits.detach(), ids[:, 0], drafter.config.rank_bucket_upper_bounds)
-        loss = loss + F.cross_entropy(rank_logits.float(), labels)
-    return loss
+    return -(probs * log_q.gather(1, ids.clamp(min=0))).sum(-1).mean()
 
 
 def first_token_acceptance(logits: torch.Tensor, samples: list[SignalSample]) -> float:
@@ -128,59 +121,51 @@ def first_token_acceptance(logits: torch.Tensor, samples: list[SignalSample]) ->
     return float((probs * (ids == top)).sum())
 
 
-def rank_classes(logits: torch.Tensor, target_ids: torch.LongTensor, upper_bounds: list[int]) -> torch.LongTensor:
-    """[S] rank-head class of each target id's 1-based rank in its row of `logits` [S, Vd] (id -1: the last class)."""
-    own = logits.gather(1, target_ids.clamp(min=0)[:, None])
-    ranks = torch.where(target_ids >= 0, (logits > own).sum(-1) + 1, logits.shape[-1] + 1)
-    return torch.bucketize(ranks, torch.tensor(list(upper_bounds), device=ranks.device), right=False)
+@torch.no_grad()
+def sgd_step(groups: list[tuple[list[nn.Parameter], float]]) -> None:
+    """One plain gradient step per (parameters, learning rate) group."""
+    for params, learning_rate in groups:
+        grads = [p.grad for p in params if p.grad is not None]
+        torch._foreach_add_([p for p in params if p.grad is not None], grads, alpha=-learning_rate)
 
 
-class DrafterUpdater:
-    """Runs head-only and whole-drafter updates with one Adam optimizer each (their moments carry over between
-    calls; `reset` drops them, e.g. after a rollback)."""
+def update_drafter(
+    drafter: TreeDraftModel, action: str, buffer: SignalBuffer, body_version: int, learning_rate: float
+) -> float | None:
+    """Train on the buffer with a few plain gradient steps: head-only on the newest states the current body
+    computed; full on those too (the output side) plus the newest replayable samples (the body, at
+    `BODY_LR_SCALE` of the rate). Returns the first step's loss, or None when there is nothing to learn from
+    (nothing is changed then).
 
-    def __init__(self, drafter: TreeDraftModel, learning_rate: float) -> None:
-        self.drafter = drafter
-        self.learning_rate = learning_rate
-        self.optimizers: dict[str, torch.optim.Optimizer] = {}
-
-    def reset(self) -> None:
-        self.optimizers.clear()
-
-    def update(self, action: str, buffer: SignalBuffer, body_version: int) -> float | None:
-        """Train on the buffer: head-only on the newest states the current body computed; full on those too (the
-        output side) plus the newest replayable samples (every weight). Returns the first step's loss, or None
-        when there is nothing to learn from (nothing is changed then)."""
-        stored_samples = buffer.for_head(body_version, HEAD_BATCH)
-        replay = buffer.for_replay(FULL_BATCH) if action == FULL else []
-        if not stored_samples and not replay:
-            return None
-        optimizer = self.optimizers.get(action)
-        if optimizer is None or optimizer.param_groups[0]["lr"] != self.learning_rate:
-            head = output_parameters(self.drafter)
-            head_ids = {id(p) for p in head}
-            groups = [{"params": head, "lr": self.learning_rate}]
-            if action == FULL:
-                body = [p for p in self.drafter.parameters() if id(p) not in head_ids]
-                groups.append({"params": body, "lr": self.learning_rate * BODY_LR_SCALE})
-            fused = self.drafter.device.type in ("cpu", "cuda")  # one kernel per step: 8x faster on a CPU core
-            optimizer = self.optimizers[action] = torch.optim.Adam(groups, fused=fused)
-        stored = None
-        if stored_samples:
-            stored = torch.stack([s.state for s in stored_samples]).to(self.drafter.device, self.drafter.dtype)
-        first_loss = None
-        was_training = self.drafter.training
-        self.drafter.train(False)  # dropout-free: the drafter keeps drafting in eval mode
-        with torch.enable_grad():
-            for step in range(HEAD_STEPS if action == HEAD_ONLY else FULL_STEPS):
-                loss = adaptation_loss(self.drafter, stored_samples, stored) if stored_samples else 0.0
-                if replay:
-                    loss = loss + adaptation_loss(self.drafter, replay, replay_states(self.drafter, replay))
-                self.drafter.zero_grad(set_to_none=True)
-                loss.backward()
-                optimizer.step()
-                if step == 0:
-                    first_loss = float(loss.detach())
-        self.drafter.zero_grad(set_to_none=True)  # also the final norm's, which head-only does not train
-        self.drafter.train(was_training)
-        return first_loss
+    Plain SGD, not Adam: Adam's first steps move every weight by about the learning rate whatever its gradient, so
+    one call's update shifted all 8192 rows of the head and cost tau on the next call in domain; a gradient step
+    moves a row as much as the signal asks (measured, docs/design.md)."""
+    stored_samples = buffer.for_head(body_version, HEAD_BATCH)
+    replay = buffer.for_replay(FULL_BATCH) if action == FULL else []
+    if not stored_samples and not replay:
+        return None
+    head = output_parameters(drafter)
+    head_ids = {id(p) for p in head}
+    groups = [(head, learning_rate)]
+    if action == FULL:
+        body = [p for p in trainable_parameters(drafter, FULL) if id(p) not in head_ids]
+        groups.append((body, learning_rate * BODY_LR_SCALE))
+    stored = None
+    if stored_samples:
+        stored = torch.stack([s.state for s in stored_samples]).to(drafter.device, drafter.dtype)
+    first_loss = None
+    was_training = drafter.training
+    drafter.train(False)  # dropout-free: the drafter keeps drafting in eval mode
+    with torch.enable_grad():
+        for step in range(HEAD_STEPS if action == HEAD_ONLY else FULL_STEPS):
+            loss = adaptation_loss(drafter, stored_samples, stored) if stored_samples else 0.0
+            if replay:
+                loss = loss + adaptation_loss(drafter, replay, replay_states(drafter, replay))
+            drafter.zero_grad(set_to_none=True)
+            loss.backward()
+            sgd_step(groups)
+            if step == 0:
+                first_loss = float(loss.detach())
+    drafter.zero_grad(set_to_none=True)  # also the final norm's, which head-only does not train
+    drafter.train(was_training)
+    return first_loss

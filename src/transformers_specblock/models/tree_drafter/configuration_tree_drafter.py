@@ -77,7 +77,7 @@ class TreeDrafterConfig(PretrainedConfig):
             `lm_head` and the rank head, after every call); "full" (a cost-aware bandit choosing between skipping and
             a whole-drafter update); "bandit" (the cost-aware bandit over skip / output side / whole drafter). The
             signal is the target distribution the verification already computed; outputs are unchanged.
-        adaptation_learning_rate: Adam learning rate of the online updates (the output side's; a whole-drafter update
+        adaptation_learning_rate: Learning rate of the online gradient steps (the output side's; a whole-drafter update
             moves the other weights at a tenth of it).
         adaptation_buffer_size: Signal samples kept (the most recent; each holds the target's top-k and one drafter
             state, and a replay context of `adaptation_context` positions for whole-drafter updates).
@@ -120,7 +120,7 @@ class TreeDrafterConfig(PretrainedConfig):
         ngram_cache_num_tokens: int = 0,
         ngram_cache_order: int = 2,
         online_adaptation: str = "off",
-        adaptation_learning_rate: float = 1e-3,
+        adaptation_learning_rate: float = 1e-2,
         adaptation_buffer_size: int = 256,
         adaptation_top_k: int = 32,
         adaptation_context: int = 8,
