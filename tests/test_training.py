@@ -348,6 +348,16 @@ def test_cli_trains_and_loss_falls(workspace):
     assert drafter.config.block_size == 3 and drafter.config.architectures == ["SpecBlockDraftModel"]
 
 
+def test_the_last_steps_evaluation_is_not_run_twice(workspace):
+    """With evaluations every 2 steps of 4, the final metrics are the step-4 evaluation's, not a third evaluation."""
+    out = workspace["root"] / "run_eval_steps"
+    argv = common_args(workspace, out, "--max_steps", "4", "--eval_dataset", workspace["eval"], "--eval_samples", "4")
+    train_main(argv + ["--eval_strategy", "steps", "--eval_steps", "2"])
+    evaluations = [e for e in json.loads((out / "trainer_state.json").read_text())["log_history"] if "eval_loss" in e]
+    assert [e["step"] for e in evaluations] == [2, 4]
+    assert json.loads((out / "all_results.json").read_text())["eval_loss"] == evaluations[-1]["eval_loss"]
+
+
 def test_precomputed_features_match_online(workspace):
     online, pre = workspace["root"] / "online", workspace["root"] / "pre"
     extra = ["--max_steps", "1", "--features_dtype", "float32", "--draft_vocab_size", "40"]

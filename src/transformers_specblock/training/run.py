@@ -241,6 +241,14 @@ def plot_learning_curve(log_history: list[dict[str, Any]], path: str | os.PathLi
     plt.close(fig)
 
 
+def evaluation_at(log_history: list[dict[str, Any]], step: int) -> dict[str, Any] | None:
+    """The evaluation metrics the Trainer logged at `step`, or None where it did not evaluate there."""
+    for entry in reversed(log_history):
+        if entry.get("step") == step and "eval_loss" in entry:
+            return {key: value for key, value in entry.items() if key.startswith("eval_")}
+    return None
+
+
 def save_drafter(drafter: SpecBlockDraftModel, output_dir: str | os.PathLike, dtype: torch.dtype) -> None:
     """``save_pretrained`` a plain `SpecBlockDraftModel` copy (safetensors, no target embedding) in ``dtype``."""
     plain = next((c for c in (SpecBlockDraftModel, DFlashDraftModel) if isinstance(drafter, c)), type(drafter))
@@ -339,8 +347,8 @@ def run_training(
     metrics["train_seconds_per_step"] = seconds / max(1.0, steps)
     metrics["train_tokens"] = trainer.state.num_input_tokens_seen  # all sessions, all processes
     metrics["train_seconds"] = trainer.training_seconds()  # all sessions
-    if eval_set is not None:
-        metrics.update(trainer.evaluate())
+    if eval_set is not None:  # the evaluation of the last step where the Trainer just ran one (minutes on a CPU)
+        metrics.update(evaluation_at(trainer.state.log_history, trainer.state.global_step) or trainer.evaluate())
     metrics["train_steps"] = trainer.state.global_step
     sessions = session_records(trainer.state.log_history, trainer.state.global_step)
     info = training_info(
