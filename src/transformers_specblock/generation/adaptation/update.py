@@ -21,8 +21,8 @@ from ...models.tree_drafter.modeling_tree_drafter import TreeDraftModel
 from .signal import SignalBuffer, SignalSample
 
 HEAD_ONLY, FULL = "head_only", "full"
-HEAD_STEPS, HEAD_BATCH = 4, 64  # gradient steps per update, newest stored states per step (output side)
-FULL_STEPS, FULL_BATCH = 4, 16  # gradient steps per whole-drafter update, newest replayable samples per step
+HEAD_STEPS, HEAD_BATCH = 2, 64  # gradient steps per update, newest stored states per step (output side)
+FULL_STEPS, FULL_BATCH = 2, 16  # gradient steps per whole-drafter update, newest replayable samples per step
 BODY_LR_SCALE = 0.1  # the body's learning rate relative to the output side's (at 1x a full update lowered tau)
 
 

@@ -120,7 +120,7 @@ class TreeDrafterConfig(PretrainedConfig):
         ngram_cache_num_tokens: int = 0,
         ngram_cache_order: int = 2,
         online_adaptation: str = "off",
-        adaptation_learning_rate: float = 1e-2,
+        adaptation_learning_rate: float = 2e-2,
         adaptation_buffer_size: int = 256,
         adaptation_top_k: int = 32,
         adaptation_context: int = 8,
