@@ -375,7 +375,7 @@ def test_the_loaded_drafter_comes_back_after_whole_drafter_updates():
     online_adapter_for(drafter).pending = None
     _serve(target, drafter, calls=1)
     assert drafter.last_stats.adaptation_restored_loaded
-    # the loaded weights, then this call's 2 gradient steps (2e-2 output side, 2e-3 body)
+    # the loaded weights, then this call's 4 gradient steps (1e-2 output side, 1e-3 body)
     assert all(float((p.detach() - loaded[n]).abs().max()) < 0.01 for n, p in drafter.named_parameters())
 
 

@@ -37,7 +37,10 @@ def make_opt(kind, lr):
         return first
     return update
 
-if variant.startswith("steps"):  # e.g. steps2@0.02: HEAD_STEPS steps at that learning rate (the shipped code)
+if variant.startswith("body"):  # e.g. body0.05: the shipped update with that BODY_LR_SCALE
+    U.BODY_LR_SCALE = float(variant[4:])
+    variant_core = "base"
+elif variant.startswith("steps"):  # e.g. steps2@0.02: HEAD_STEPS steps at that learning rate (the shipped code)
     U.HEAD_STEPS = int(variant[5:].split("@")[0])
     variant_core = "base"
 elif variant.startswith("norank-"):

@@ -22,7 +22,8 @@ from .signal import SignalBuffer, SignalSample
 
 HEAD_ONLY, FULL = "head_only", "full"
 HEAD_STEPS, HEAD_BATCH = 2, 64  # gradient steps per update, newest stored states per step (output side)
-FULL_STEPS, FULL_BATCH = 2, 16  # gradient steps per whole-drafter update, newest replayable samples per step
+FULL_STEPS, FULL_BATCH = 4, 16  # gradient steps per whole-drafter update, newest replayable samples per step
+FULL_LR_SCALE = 0.5  # a whole-drafter update's rate relative to the head-only one (2 steps at 1x lowered tau)
 BODY_LR_SCALE = 0.1  # the body's learning rate relative to the output side's (at 1x a full update lowered tau)
 
 
@@ -132,10 +133,10 @@ def sgd_step(groups: list[tuple[list[nn.Parameter], float]]) -> None:
 def update_drafter(
     drafter: TreeDraftModel, action: str, buffer: SignalBuffer, body_version: int, learning_rate: float
 ) -> float | None:
-    """Train on the buffer with a few plain gradient steps: head-only on the newest states the current body
-    computed; full on those too (the output side) plus the newest replayable samples (the body, at
-    `BODY_LR_SCALE` of the rate). Returns the first step's loss, or None when there is nothing to learn from
-    (nothing is changed then).
+    """Train on the buffer with a few plain gradient steps: head-only (`HEAD_STEPS` at `learning_rate`) on the
+    newest states the current body computed; full (`FULL_STEPS` at `FULL_LR_SCALE` of it) on those too plus the
+    newest replayable samples, the body at `BODY_LR_SCALE` of the head's rate. Returns the first step's loss, or
+    None when there is nothing to learn from (nothing is changed then).
 
     Plain SGD, not Adam: Adam's first steps move every weight by about the learning rate whatever its gradient, so
     one call's update shifted all 8192 rows of the head and cost tau on the next call in domain; a gradient step
@@ -144,6 +145,8 @@ def update_drafter(
     replay = buffer.for_replay(FULL_BATCH) if action == FULL else []
     if not stored_samples and not replay:
         return None
+    if action == FULL:
+        learning_rate *= FULL_LR_SCALE
     head = output_parameters(drafter)
     head_ids = {id(p) for p in head}
     groups = [(head, learning_rate)]
