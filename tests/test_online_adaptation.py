@@ -201,18 +201,21 @@ def test_updates_learn_and_touch_only_their_weights(kind):
 
 
 # ------------------------------------------------------------------------------------------------ the policies
-def _bandit_run(arms, net_throughput, calls=60, rejected=()):
+def _bandit_run(arms, net_throughput, calls=60, rejected=(), rejected_first=0):
     """Serve `calls` synthetic calls: `net_throughput[arm]` = (tokens/s while decoding, update seconds); the held-out
-    check throws away every update of an arm in `rejected`."""
-    bandit, taken = CostAwareBandit(arms), []
+    check throws away every update of an arm in `rejected`, and the first `rejected_first` updates of any arm (and,
+    as in the adapter, a call whose check threw an update away shows no held-out gain: no escalation)."""
+    bandit, taken, gain = CostAwareBandit(arms), [], True
     torch.manual_seed(0)
     for _ in range(calls):
-        arm = bandit.choose()
+        arm = bandit.choose(escalate=gain)
         speed, update = net_throughput[arm]
         decode = 64 / (speed * (1 + 0.05 * float(torch.randn(()))))  # 5% noise per call
         bandit.record(arm, 64, decode, update)
-        if arm in rejected:
-            bandit.reject(arm)
+        updates = [a for a in taken if a != SKIP]
+        gain = not (arm != SKIP and (arm in rejected or len(updates) < rejected_first))
+        if not gain:
+            bandit.reject(arm, update / (decode + update))
         taken.append(arm)
     return taken
 
@@ -239,7 +242,23 @@ def test_bandit_stops_updating_when_the_held_out_check_rejects_its_updates():
     speeds = {SKIP: (20.0, 0.0), HEAD_ONLY: (21.5, 0.1), FULL: (21.0, 2.0)}
     assert _bandit_run((HEAD_ONLY, FULL, SKIP), speeds)[-30:].count(HEAD_ONLY) >= 20
     taken = _bandit_run((HEAD_ONLY, FULL, SKIP), speeds, rejected=(HEAD_ONLY,))
-    assert taken[-30:].count(SKIP) >= 25 and FULL not in taken
+    # each thrown-away update is charged as "skip" less its time: skip wins; head-only is still re-explored now and
+    # then (a domain shift would make it pay again), the costlier update never
+    assert taken[-30:].count(SKIP) >= 18 and FULL not in taken
+
+
+def test_one_thrown_away_update_does_not_end_a_useful_adaptation():
+    # head-only: +20% speed for 0.2 s, but the (conservative, depth-1) held-out check threw the first update away:
+    # charged as "skip less its cost", not as nothing, so the bandit comes back to it
+    speeds = {SKIP: (20.0, 0.0), HEAD_ONLY: (24.0, 0.2), FULL: (25.0, 2.0)}
+    taken = _bandit_run((HEAD_ONLY, FULL, SKIP), speeds, rejected_first=1)
+    assert taken[0] == HEAD_ONLY and taken[-30:].count(HEAD_ONLY) >= 20
+    bandit = CostAwareBandit((HEAD_ONLY, FULL, SKIP))
+    bandit.record(SKIP, 64, 3.0, 0.0)
+    bandit.record(HEAD_ONLY, 64, 2.0, 0.2)
+    bandit.reject(HEAD_ONLY, 0.1)
+    assert bandit.counts[HEAD_ONLY] == 1.0  # the same pull, its reward replaced
+    assert bandit.mean(HEAD_ONLY) == pytest.approx(0.9 * bandit.mean(SKIP))
 
 
 def test_one_lucky_head_update_does_not_open_the_whole_drafter_update():
@@ -264,9 +283,10 @@ def test_a_rolled_back_update_is_charged_to_its_arm(reference_calls):
     adapter.finish_call(new_tokens=10, decode_seconds=1.0, tau=0.1 * adapter.pending.reference_tau)
     if reference_calls == 1:  # one call's tau is no reference (prompts differ too much): no rollback
         assert not adapter.report.rolled_back and bandit.counts[HEAD_ONLY] == pytest.approx(1.0)
-    else:  # the throughput reward of the call after it, and a zero-reward pull for the thrown-away weights
+    else:  # the throughput reward of the call after it, replaced by what the thrown-away update earned
         assert adapter.report.rolled_back and bandit.pulls[HEAD_ONLY] == 1
-        assert bandit.counts[HEAD_ONLY] == pytest.approx(2.0)
+        assert bandit.counts[HEAD_ONLY] == pytest.approx(1.0)
+        assert bandit.sums[HEAD_ONLY] == pytest.approx(1 - adapter.last_update_share)
 
 
 def test_no_whole_drafter_update_where_the_held_out_check_sees_no_gain():
@@ -303,11 +323,12 @@ def test_a_rejected_update_is_charged_to_its_arm():
     with torch.no_grad():
         drafter.lm_head.weight.neg_()  # an adapted head that proposes the worst tokens
     adapter = online_adapter_for(drafter)
-    adapter.pending = None  # no throughput reward for it: only the held-out check speaks
-    _serve(target, drafter, calls=1)
+    _serve(target, drafter, calls=1)  # its throughput is measured, then the held-out check throws it away
     bandit = adapter.bandits["bandit"]
-    assert drafter.last_stats.adaptation_restored_loaded
-    assert bandit.counts[HEAD_ONLY] == 1.0 and bandit.sums[HEAD_ONLY] == 0.0
+    assert drafter.last_stats.adaptation_restored_loaded and not drafter.last_stats.adaptation_rolled_back
+    # one pull whose reward is what the update earned: nothing over "skip" (not measured yet: 1), less its time
+    assert 0.0 < adapter.last_update_share < 1.0
+    assert bandit.counts[HEAD_ONLY] == 1.0 and bandit.sums[HEAD_ONLY] == pytest.approx(1 - adapter.last_update_share)
 
 
 @pytest.mark.parametrize(

@@ -4,8 +4,8 @@ the policy together, and what the decoding loop calls (`start_call`, `capture`, 
 Per `generate` call: the loop captures the signal after every verification (`signal.collect_signal`); after the
 last token `finish_call` (1) scores the action taken after the previous call (the bandit's reward; a rollback to
 the snapshot taken before that update if this call's tau fell more than `ROLLBACK_TOLERANCE` below the mean tau of
-the (2 to 4) calls before it), (2) picks this call's action from the policy, (3) runs it, timed. The update runs inside the
-`generate` call, so its time is part of the call's wall time.
+the (2 to 4) calls before it), (2) picks this call's action from the policy, (3) runs it, timed. The update runs
+inside the `generate` call, so its time is part of the call's wall time.
 """
 
 from __future__ import annotations
@@ -79,6 +79,7 @@ class OnlineAdapter:
         self.body_version = 0
         self.pending: _Pending | None = None
         self.last_update: str | None = None  # the update action that made the current weights
+        self.last_update_share = 0.0  # its time's share of the call after it (what a rejection charges)
         self.recent_tau: deque[float] = deque(maxlen=REFERENCE_CALLS)
         self.report = AdaptationReport()
         self.fresh: list[SignalSample] = []  # this call's samples: held out until the update after it
@@ -130,7 +131,7 @@ class OnlineAdapter:
         bandit = self.bandits.get(self.policy)
         rejected = self.report.restored_loaded and not self.report.rolled_back  # (a rollback has charged it)
         if rejected and bandit is not None and self.last_update in bandit.arms:
-            bandit.reject(self.last_update)
+            bandit.reject(self.last_update, self.last_update_share)
         self.recent_tau.append(tau)
         action = self.choose_action()
         snapshot, seconds = None, check_seconds
@@ -169,13 +170,15 @@ class OnlineAdapter:
     def _score_pending(self, new_tokens: int, decode_seconds: float, tau: float) -> None:
         pending, self.pending = self.pending, None
         bandit = self.bandits.get(self.policy)
+        if pending.action != SKIP:
+            self.last_update_share = pending.update_seconds / max(decode_seconds + pending.update_seconds, 1e-9)
         if bandit is not None and pending.action in bandit.arms:
             bandit.record(pending.action, new_tokens, decode_seconds, pending.update_seconds)
         dropped = tau < (1 - ROLLBACK_TOLERANCE) * pending.reference_tau
         if pending.snapshot is not None and pending.reference_calls >= MIN_REFERENCE_CALLS and dropped:
             self.rollback(pending)
             if bandit is not None and pending.action in bandit.arms:
-                bandit.reject(pending.action)
+                bandit.reject(pending.action, self.last_update_share)
 
     @torch.no_grad()
     def rollback(self, pending: _Pending) -> None:

@@ -18,11 +18,13 @@ a call where the adapted weights beat the loaded ones on the call's fresh signal
 escalate=...)`): a whole-drafter update is worth its cost where adapting measurably helps, not in domain.
 
 A second, low-noise signal: when the held-out check finds the loaded weights better than the adapted ones on a call's
-fresh signal (same states, no throughput noise) and puts them back, or the tau check rolls an update back, the update
-arm that made them is charged a pull with reward 0 (`reject`): an update whose weights were thrown away bought
-nothing. Throughput rewards vary by +-20%
+fresh signal (same states, no throughput noise) and puts them back, or the tau check rolls an update back, the
+measured reward of the update that made them is replaced by what it really earned: "skip"'s mean less the update's
+share of the call (`reject`): its weights were thrown away, its time was spent. Throughput rewards vary by +-20%
 between prompts, so without it the bandit kept updating in domain although most updates were thrown away (measured
-on 15 held-out ShareGPT calls: 9-10 head updates, 6-7 of them rejected, tau -6 to -8%).
+on 15 held-out ShareGPT calls: 9-10 head updates, 6-7 of them rejected, tau -6 to -8%). A zero reward instead (an
+earlier version) was too harsh: the depth-1 check is conservative, and one rejection of a useful update on a code
+prompt ended the adaptation for the rest of the stream.
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ class CostAwareBandit:
         self.counts = dict.fromkeys(arms, 0.0)  # discounted number of pulls
         self.sums = dict.fromkeys(arms, 0.0)  # discounted reward sums
         self.scale: float | None = None  # running throughput (tokens/s) without update time
+        self.last_reward: dict[str, tuple[float, float]] = {}  # arm -> (its last reward, that reward's weight now)
 
     def choose(self, escalate: bool = True) -> str:
         """The arm to take now: the cheapest update and "skip" are measured first; a costlier update arm is tried
@@ -79,9 +82,18 @@ class CostAwareBandit:
     def mean(self, arm: str) -> float:
         return self.sums[arm] / self.counts[arm] if self.counts[arm] else float("nan")
 
-    def reject(self, arm: str) -> None:
-        """The held-out check threw `arm`'s update away: count it as a pull that earned nothing."""
-        self.counts[arm] += 1.0
+    def reject(self, arm: str, update_share: float) -> None:
+        """`arm`'s last update was thrown away: its recorded reward becomes "skip"'s mean less the update's share of
+        its call (`update_share`, update seconds over decode plus update seconds)."""
+        baseline = self.mean(SKIP) if SKIP in self.arms and self.counts[SKIP] else 1.0
+        reward = baseline * (1.0 - update_share)
+        if arm in self.last_reward:
+            last, weight = self.last_reward[arm]
+            self.sums[arm] += weight * (reward - last)
+        else:  # (not measured yet: a pull of its own)
+            self.counts[arm] += 1.0
+            self.sums[arm] += reward
+        self.last_reward[arm] = (reward, self.last_reward.get(arm, (0.0, 1.0))[1])
 
     def record(self, arm: str, tokens: int, decode_seconds: float, update_seconds: float) -> float:
         """The next call's measurement for `arm` (taken before it); returns the reward."""
@@ -93,7 +105,9 @@ class CostAwareBandit:
         for name in self.arms:
             self.counts[name] *= self.discount
             self.sums[name] *= self.discount
+        self.last_reward = {name: (last, weight * self.discount) for name, (last, weight) in self.last_reward.items()}
         self.counts[arm] += 1.0
         self.pulls[arm] += 1
         self.sums[arm] += reward
+        self.last_reward[arm] = (reward, 1.0)
         return reward

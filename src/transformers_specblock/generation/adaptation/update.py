@@ -104,7 +104,8 @@ def _replay_root_outputs(
 def adaptation_loss(
     drafter: TreeDraftModel, samples: list[SignalSample], states: torch.Tensor
 ) -> torch.Tensor:
-    """Soft cross entropy to the target's top-k (renormalised over the draft vocabulary's part of it). states: [S, H]."""
+    """Soft cross entropy to the target's top-k (renormalised over the draft vocabulary's part of it).
+    states: [S, H]."""
     logits = draft_logits(drafter, states)
     log_q = logits.float().log_softmax(-1)  # [S, Vd]
     ids = torch.stack([s.target_ids for s in samples]).to(log_q.device)  # [S, k]
