@@ -2,7 +2,8 @@
 
 Outputs never change (greedy identical to plain generate, sampling keeps the target's distribution, with every
 policy, for SpecBlock and EAGLE-3), the signal is the verified rows along the accepted path, the buffer is bounded,
-each policy acts when it should, a drop in tau rolls an update back, and reset / save restore the loaded weights.
+each policy acts when it should, a head-only update is served only once it has beaten the served head on a call it
+has not trained on, a drop in tau rolls a whole-drafter update back, and reset / save restore the loaded weights.
 """
 
 from __future__ import annotations
@@ -82,8 +83,10 @@ def test_greedy_identical_with_every_policy(kind, policy):
     else:
         assert set(actions) <= {SKIP, HEAD_ONLY, FULL} and set(actions) & {HEAD_ONLY, FULL}
         assert drafter.last_stats.adaptation_signal > 0
-    if policy in ("always", "head_only"):  # (a cost-aware policy may roll its only update back)
+    if policy == "always":  # (a cost-aware policy may roll its only update back)
         assert changed
+    if policy == "head_only":  # its updates train a candidate head, served once it beats the served one
+        assert changed or online_adapter_for(drafter).candidate is not None
     if policy == "always":
         assert set(actions) == {FULL}
     if policy == "head_only":
@@ -274,19 +277,20 @@ def test_one_lucky_head_update_does_not_open_the_whole_drafter_update():
 @pytest.mark.parametrize("reference_calls", [1, 2])
 def test_a_rolled_back_update_is_charged_to_its_arm(reference_calls):
     target = make_target("llama", vocab_size=VOCAB, seed=1)
-    drafter = _drafter("specblock", target, online_adaptation="bandit")
-    _serve(target, drafter, calls=1)  # the bandit's first action: a head-only update
+    drafter = _drafter("specblock", target, online_adaptation="full")
+    _serve(target, drafter, calls=1)  # the "full" policy's first action: a whole-drafter update
     adapter = online_adapter_for(drafter)
-    bandit = adapter.bandits["bandit"]
-    assert adapter.pending.action == HEAD_ONLY and adapter.pending.reference_calls == 1
+    adapter.fresh = []  # (no held-out check: only the tau rollback)
+    bandit = adapter.bandits["full"]
+    assert adapter.pending.action == FULL and adapter.pending.reference_calls == 1
     adapter.pending.reference_calls = reference_calls  # (2: as if a call before had set the reference too)
     adapter.finish_call(new_tokens=10, decode_seconds=1.0, tau=0.1 * adapter.pending.reference_tau)
     if reference_calls == 1:  # one call's tau is no reference (prompts differ too much): no rollback
-        assert not adapter.report.rolled_back and bandit.counts[HEAD_ONLY] == pytest.approx(1.0)
+        assert not adapter.report.rolled_back and bandit.counts[FULL] == pytest.approx(1.0)
     else:  # the throughput reward of the call after it, replaced by what the thrown-away update earned
-        assert adapter.report.rolled_back and bandit.pulls[HEAD_ONLY] == 1
-        assert bandit.counts[HEAD_ONLY] == pytest.approx(1.0)
-        assert bandit.sums[HEAD_ONLY] == pytest.approx(1 - adapter.last_update_share)
+        assert adapter.report.rolled_back and bandit.pulls[FULL] == 1
+        assert bandit.counts[FULL] == pytest.approx(1.0)
+        assert bandit.sums[FULL] == pytest.approx(1 - adapter.last_update_share)
 
 
 def test_no_whole_drafter_update_where_the_held_out_check_sees_no_gain():
@@ -350,14 +354,15 @@ def test_no_signal_means_no_update():
     assert adapter.finish_call(new_tokens=10, decode_seconds=1.0, tau=1.5).action == SKIP
 
 
-def test_rollback_when_tau_drops_after_an_update():
+def test_rollback_when_tau_drops_after_a_whole_drafter_update():
     target = make_target("llama", vocab_size=VOCAB, seed=1)
-    drafter = _drafter("specblock", target, online_adaptation="head_only", adaptation_learning_rate=1e-2)
-    _serve(target, drafter, calls=1)  # collects a signal and runs one head-only update
+    drafter = _drafter("specblock", target, online_adaptation="always", adaptation_learning_rate=1e-2)
+    _serve(target, drafter, calls=1)  # collects a signal and runs one whole-drafter update
     adapter = online_adapter_for(drafter)
+    adapter.fresh = []  # (no held-out check: only the tau rollback)
     before = _weights(drafter)
     report = adapter.finish_call(new_tokens=20, decode_seconds=1.0, tau=2.0)  # scores the first, runs a second
-    assert report.action == HEAD_ONLY and not report.rolled_back
+    assert report.action == FULL and not report.rolled_back
     updated = _weights(drafter)
     assert any(not torch.equal(updated[n], before[n]) for n in before)
     report = adapter.finish_call(new_tokens=20, decode_seconds=1.0, tau=1.0)  # tau halved: undo the second update
@@ -377,11 +382,37 @@ def test_the_loaded_output_side_comes_back_where_it_does_better():
     assert not drafter.last_stats.adaptation_restored_loaded
     with torch.no_grad():
         drafter.lm_head.weight.neg_()
-    online_adapter_for(drafter).pending = None  # no tau-based rollback to the previous (sound) head first
-    _serve(target, drafter, calls=1)  # held out: this call's signal, then an update from the loaded head
+    adapter = online_adapter_for(drafter)
+    adapter.pending, adapter.candidate = None, None  # (the negated head is the one to test)
+    _serve(target, drafter, calls=1)  # held out: this call's signal, then an update into a new candidate head
     assert drafter.last_stats.adaptation_restored_loaded
-    # the loaded weights, then this call's 2 gradient steps (the negated head was 2|w| away)
-    assert float((drafter.lm_head.weight.detach() - loaded["lm_head.weight"]).abs().max()) < 0.01
+    assert torch.equal(drafter.lm_head.weight, loaded["lm_head.weight"]) and adapter.candidate is not None
+
+
+def test_a_head_only_update_is_served_only_after_it_beats_the_served_head():
+    """A head-only update trains a candidate; the next call's held-out check serves it where it does better than
+    the served head on that call's signal and drops it otherwise, charging its arm."""
+    target = make_target("llama", vocab_size=VOCAB, seed=1)
+    drafter = _drafter("specblock", target, online_adaptation="bandit")
+    loaded = _weights(drafter)
+    _serve(target, drafter, calls=1)  # the bandit's first action: a head-only update, into a candidate
+    adapter = online_adapter_for(drafter)
+    assert drafter.last_stats.adaptation_action == HEAD_ONLY and adapter.candidate is not None
+    assert all(torch.equal(p, loaded[n]) for n, p in drafter.named_parameters())  # nothing served changed
+    adapter.candidate = {"lm_head.weight": -loaded["lm_head.weight"]}  # a candidate proposing the worst tokens
+    _serve(target, drafter, calls=1)
+    stats, bandit = drafter.last_stats, adapter.bandits["bandit"]
+    assert stats.adaptation_candidate_gain < 0 and not stats.adaptation_promoted
+    assert torch.equal(drafter.lm_head.weight, loaded["lm_head.weight"])
+    # charged as thrown away: "skip" (not measured yet: 1) less its time
+    assert bandit.counts[HEAD_ONLY] == 1.0 and bandit.sums[HEAD_ONLY] == pytest.approx(1 - adapter.last_update_share)
+    with torch.no_grad():  # now the served head is the bad one (and the reference of the loaded check too)
+        drafter.lm_head.weight.neg_()
+        drafter.__dict__["_loaded_weights"]["lm_head.weight"].neg_()
+    adapter.candidate = {"lm_head.weight": loaded["lm_head.weight"].clone()}
+    _serve(target, drafter, calls=1)
+    assert drafter.last_stats.adaptation_candidate_gain > 0 and drafter.last_stats.adaptation_promoted
+    assert torch.equal(drafter.lm_head.weight, loaded["lm_head.weight"])
 
 
 def test_the_loaded_drafter_comes_back_after_whole_drafter_updates():

@@ -49,8 +49,9 @@ class SpecBlockStats:
     # online adaptation (`generation.adaptation`): the action taken after this call's tokens ("off", "skip",
     # "head_only", "full"), its time (inside total_time_s), the signal samples captured (of which the drafter's
     # best proposal was wrong), whether the previous call's update was rolled back, whether the loaded output
-    # side was put back (it did better on this call's signal), and the served minus the loaded weights' first-proposal
-    # acceptance on this call's depth-1 signal (nan before the first update)
+    # side was put back (it did better on this call's signal), the served minus the loaded weights' first-proposal
+    # acceptance on this call's depth-1 signal (nan before the first update), the last head-only update's candidate
+    # head minus the served one on the same signal (nan where no candidate was tested) and whether it is served now
     adaptation_action: str = "off"
     adaptation_time_s: float = 0.0
     adaptation_signal: int = 0
@@ -58,6 +59,8 @@ class SpecBlockStats:
     adaptation_rolled_back: bool = False
     adaptation_restored_loaded: bool = False
     adaptation_held_out_gain: float = float("nan")
+    adaptation_candidate_gain: float = float("nan")
+    adaptation_promoted: bool = False
 
     @property
     def tau(self) -> float:
@@ -222,6 +225,7 @@ def tree_speculative_decoding(
         stats.adaptation_signal, stats.adaptation_signal_wrong = report.signal, report.signal_wrong
         stats.adaptation_rolled_back, stats.adaptation_restored_loaded = report.rolled_back, report.restored_loaded
         stats.adaptation_held_out_gain = report.held_out_gain
+        stats.adaptation_candidate_gain, stats.adaptation_promoted = report.candidate_gain, report.promoted
     stats.total_time_s = time.perf_counter() - started
     drafter.last_stats = stats
     return outputs.result(input_ids, cache)

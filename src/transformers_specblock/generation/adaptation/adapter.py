@@ -3,13 +3,23 @@ the policy together, and what the decoding loop calls (`start_call`, `capture`, 
 
 Per `generate` call: the loop captures the signal after every verification (`signal.collect_signal`); after the
 last token `finish_call` (1) scores the action taken after the previous call (the bandit's reward; a rollback to
-the snapshot taken before that update if this call's tau fell more than `ROLLBACK_TOLERANCE` below the mean tau of
-the (2 to 4) calls before it), (2) picks this call's action from the policy, (3) runs it, timed. The update runs
-inside the `generate` call, so its time is part of the call's wall time.
+the snapshot taken before a whole-drafter update if this call's tau fell more than `ROLLBACK_TOLERANCE` below the
+mean tau of the (2 to 4) calls before it), (2) runs the held-out check on this call's signal, which no update has
+trained on yet: the loaded output side comes back where it does better than the served one, and the candidate head
+of the last head-only update is served only where it does better than the served head, (3) picks this call's action
+from the policy, (4) runs it, timed. The update runs inside the `generate` call, so its time is part of the call's
+wall time.
+
+Head-only updates train a candidate head, not the served one: one call's update did not carry over to the next
+prompt as often as it did (128-token calls: the next call's tau fell by up to 20%, docs/design.md), and a candidate
+that has beaten the served head on a call it has not seen costs no tau where it would not have helped. A
+whole-drafter update is served at once (a candidate copy of the whole drafter would double its memory), guarded by
+the tau rollback and the held-out check.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -54,6 +64,8 @@ class AdaptationReport:
     rolled_back: bool = False  # the previous call's update was undone
     restored_loaded: bool = False  # the loaded output side did better on this call's signal and was put back
     held_out_gain: float = float("nan")  # first-proposal acceptance of the served minus the loaded weights
+    candidate_gain: float = float("nan")  # the same of the last head-only update's candidate minus the served head
+    promoted: bool = False  # that candidate did better and is served from the next call on
     loss: float = float("nan")  # soft cross entropy of the update's first step
 
 
@@ -78,6 +90,7 @@ class OnlineAdapter:
         self.bandits: dict[str, CostAwareBandit] = {}
         self.body_version = 0
         self.pending: _Pending | None = None
+        self.candidate: dict[str, torch.Tensor] | None = None  # the head-only update's head, served once it wins
         self.last_update: str | None = None  # the update action that made the current weights
         self.last_update_share = 0.0  # its time's share of the call after it (what a rejection charges)
         self.recent_tau: deque[float] = deque(maxlen=REFERENCE_CALLS)
@@ -126,22 +139,19 @@ class OnlineAdapter:
         sync(self.drafter.device)
         start = time.perf_counter()
         self._keep_better_output_side()
+        self._try_candidate()
         sync(self.drafter.device)
         check_seconds = time.perf_counter() - start  # charged to the action like the update itself
-        bandit = self.bandits.get(self.policy)
-        rejected = self.report.restored_loaded and not self.report.rolled_back  # (a rollback has charged it)
-        if rejected and bandit is not None and self.last_update in bandit.arms:
-            bandit.reject(self.last_update, self.last_update_share)
+        self._charge_thrown_away_updates()
         self.recent_tau.append(tau)
         action = self.choose_action()
         snapshot, seconds = None, check_seconds
         if action != SKIP:
             self.drafter.remember_loaded_weights()
-            snapshot = {n: p.detach().clone() for n, p in self._named(action)}
+            if action == FULL:
+                snapshot = {n: p.detach().clone() for n, p in self._named(action)}
             start = time.perf_counter()
-            loss = update_drafter(
-                self.drafter, action, self.buffer, self.body_version, self.drafter.config.adaptation_learning_rate
-            )
+            loss = self._train_candidate() if action == HEAD_ONLY else self._update(action)
             sync(self.drafter.device)
             if loss is None:  # no signal: nothing was changed
                 action, snapshot = SKIP, None
@@ -151,6 +161,7 @@ class OnlineAdapter:
                 self.last_update = action
             if action == FULL:
                 self.body_version += 1  # stored states of earlier samples no longer match the body
+                self.candidate = None  # trained on states of the old body
         reference = sum(self.recent_tau) / len(self.recent_tau)
         self.pending = _Pending(action, seconds, reference, len(self.recent_tau), snapshot)
         self.report.action, self.report.update_time_s = action, seconds
@@ -167,6 +178,37 @@ class OnlineAdapter:
         return self.bandits[self.policy].choose(escalate=self.report.held_out_gain >= ESCALATION_GAIN)
 
     # ---------------------------------------------------------------------------------------------------------
+    def _update(self, action: str) -> float | None:
+        return update_drafter(
+            self.drafter, action, self.buffer, self.body_version, self.drafter.config.adaptation_learning_rate
+        )
+
+    @torch.no_grad()
+    def _train_candidate(self) -> float | None:
+        """A head-only update trained into `self.candidate` from the served head; the served head stays in place."""
+        head = self._named(HEAD_ONLY)
+        served = {n: p.detach().clone() for n, p in head}
+        with torch.enable_grad():
+            loss = self._update(HEAD_ONLY)
+        if loss is not None:
+            self.candidate = {n: p.detach().clone() for n, p in head}
+            for name, param in head:
+                param.copy_(served[name])
+        return loss
+
+    def _charge_thrown_away_updates(self) -> None:
+        """Tell the bandit which update's weights the held-out check threw away (a rollback has charged its own)."""
+        bandit = self.bandits.get(self.policy)
+        if bandit is None:
+            return
+        thrown_away = set()
+        if self.report.restored_loaded and not self.report.rolled_back and self.last_update in bandit.arms:
+            thrown_away.add(self.last_update)
+        if not math.isnan(self.report.candidate_gain) and not self.report.promoted:
+            thrown_away.add(HEAD_ONLY)
+        for arm in thrown_away & set(bandit.arms):
+            bandit.reject(arm, self.last_update_share)
+
     def _score_pending(self, new_tokens: int, decode_seconds: float, tau: float) -> None:
         pending, self.pending = self.pending, None
         bandit = self.bandits.get(self.policy)
@@ -193,10 +235,10 @@ class OnlineAdapter:
     @torch.no_grad()
     def _keep_better_output_side(self) -> None:
         """Held-out check on this call's signal (no update has trained on it yet): where the body is still the
-        loaded one, compare how often the current and the loaded output side would have proposed the target's token
+        loaded one, compare how often the served and the loaded output side would have proposed the target's token
         first right after each step's root (the target probability of each one's top draft token, summed over the
         same depth-1 states); if the loaded one wins, put it back. This keeps a head adapted to one domain from
-        costing tau when the stream moves on (the tau-based rollback undoes only the last update)."""
+        costing tau when the stream moves on."""
         loaded = self.drafter.__dict__.get("_loaded_weights")
         # depth 1 only: a tree's deeper samples exist because of what the current head got right, and its last one
         # mostly because it got it wrong, which would bias the comparison; depth 1 is there every step
@@ -217,6 +259,25 @@ class OnlineAdapter:
         for name, param in head:
             param.copy_(loaded[name])
         self.report.restored_loaded = True
+
+    @torch.no_grad()
+    def _try_candidate(self) -> None:
+        """Serve the last head-only update's candidate head where it beats the served head on this call's states
+        (which it has not trained on), every depth: the deeper ones favour the served head (they exist where it was
+        right), which makes the test conservative; drop the candidate either way (the next head-only update starts
+        from the served head)."""
+        candidate, self.candidate = self.candidate, None
+        fresh = [s for s in self.fresh if s.body_version == self.body_version]
+        if candidate is None or not fresh:
+            return
+        normed = self.drafter.norm(torch.stack([s.state for s in fresh]).to(self.drafter.device, self.drafter.dtype))
+        served = first_token_acceptance(self.drafter.lm_head(normed), fresh)
+        tried = first_token_acceptance(F.linear(normed, candidate["lm_head.weight"]), fresh)
+        self.report.candidate_gain = (tried - served) / len(fresh)
+        if tried > served:
+            for name, param in self._named(HEAD_ONLY):
+                param.copy_(candidate[name])
+            self.report.promoted = True
 
     @torch.no_grad()
     def _keep_better_drafter(self, loaded: dict[str, torch.Tensor]) -> None:
