@@ -7,9 +7,10 @@ code, then chat, a shuffled mix of both, and held-out ShareGPT (in domain), unde
 A run is (stream, drafter, policy): a freshly loaded drafter serves the stream's prompts one `generate` call each
 (greedy, a fixed tree budget); the runs of one stream are interleaved prompt by prompt, so that the machine's slower
 spells hit every policy alike. Every call is timed from the call to the return, so the update time (run inside the
-call) is included. Per call: tau, tokens, seconds, the adaptation action, its time and signal, rollbacks, and whether
-the output equals plain `generate` (one plain reference per prompt, also the throughput baseline). Writes
-`calls.jsonl` (resumable: finished runs are skipped), `results.json`, `results.md` and `tau_along_stream.png`.
+call) is included. Per call: tau, tokens, seconds, the adaptation action, its time and signal, rollbacks, the
+held-out check's verdicts (loaded head back, candidate head served), and whether the output equals plain `generate`
+(one plain reference per prompt, also the throughput baseline). Writes `calls.jsonl` (resumable: finished runs are
+skipped), `results.json`, `results.md` and `tau_along_stream.png`.
 """
 
 from __future__ import annotations
@@ -115,13 +116,15 @@ def serve(target, tokenizer, stream: list[dict], runs: list[str], args, referenc
                 "action": stats.adaptation_action, "update_s": stats.adaptation_time_s,
                 "signal": stats.adaptation_signal, "signal_wrong": stats.adaptation_signal_wrong,
                 "rolled_back": stats.adaptation_rolled_back, "restored_loaded": stats.adaptation_restored_loaded,
-                "held_out_gain": stats.adaptation_held_out_gain,
+                "held_out_gain": stats.adaptation_held_out_gain, "candidate_gain": stats.adaptation_candidate_gain,
+                "promoted": stats.adaptation_promoted,
                 "identical": new == references[row["id"]]["tokens"],
             })  # fmt: skip
             print(f"  call {index:2d} {row['domain']:8s} {run:24s} tau {stats.tau:.2f} {len(new) / seconds:5.1f} "
                   f"tok/s {stats.adaptation_action:9s} update {stats.adaptation_time_s:.2f}s"
                   f"{' rolled back' if stats.adaptation_rolled_back else ''}"
-                  f"{' loaded back' if stats.adaptation_restored_loaded else ''}", flush=True)  # fmt: skip
+                  f"{' loaded back' if stats.adaptation_restored_loaded else ''}"
+                  f"{' candidate served' if stats.adaptation_promoted else ''}", flush=True)  # fmt: skip
     return rows
 
 
@@ -142,6 +145,7 @@ def summarise(rows: list[dict]) -> dict:
         "plain_tokens_per_s": tokens / plain, "update_share": sum(r["update_s"] for r in rows) / seconds,
         "actions": actions, "rollbacks": sum(r["rolled_back"] for r in rows),
         "restored_loaded": sum(r.get("restored_loaded", False) for r in rows),
+        "promoted": sum(r.get("promoted", False) for r in rows),
         "identical": all(r["identical"] for r in rows),
     }  # fmt: skip
 
@@ -150,8 +154,9 @@ def write_report(out_dir: Path, results: dict[str, dict], settings: dict) -> Non
     (out_dir / "results.json").write_text(json.dumps({"settings": settings, "runs": results}, indent=1))
     lines = [
         "| stream | drafter | policy | tau | tau first third | tau last third | tau code, last third | tau chat | "
-        "tokens/s (incl. updates) | vs off | update share | actions | rollbacks / loaded head back | identical |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "tokens/s (incl. updates) | vs off | update share | actions | candidate heads served | "
+        "rollbacks / loaded head back | identical |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for key, run in results.items():
         stream, drafter, policy = key.split("/")
@@ -163,7 +168,7 @@ def write_report(out_dir: Path, results: dict[str, dict], settings: dict) -> Non
             f"| {stream} | {drafter} | {policy} | {s['tau']:.3f} | {s['tau_first_third']:.3f} | "
             f"{s['tau_last_third']:.3f} | {s['tau_code_last_third']:.3f} | {s['tau_chat']:.3f} | "
             f"{s['tokens_per_s']:.2f} | {versus} | {100 * s['update_share']:.1f}% | "
-            f"{actions} | {s['rollbacks']} / {s['restored_loaded']} | {'yes' if s['identical'] else 'NO'} |"
+            f"{actions} | {s.get('promoted', 0)} | {s['rollbacks']} / {s['restored_loaded']} | {'yes' if s['identical'] else 'NO'} |"
         )
     (out_dir / "results.md").write_text("\n".join(lines) + "\n")
     plot(out_dir / "tau_along_stream.png", results)

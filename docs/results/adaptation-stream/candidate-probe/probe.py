@@ -1,0 +1,80 @@
+"""tau along a stream for one drafter/policy; constants overridable: KEY=VALUE args (HEAD_STEPS, HEAD_BATCH, lr, ...)."""
+import sys, json, time, argparse, torch
+sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[4] / "examples"))
+import adaptation_stream as A
+from transformers_specblock.generation.adaptation import update as U, adapter as AD
+from transformers_specblock.hub.loading import load_model
+
+drafter_name, stream_name, policy, ntok = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+over = dict(a.split("=") for a in sys.argv[5:])
+lr = None
+cfg = {}
+buf = None
+for k, v in over.items():
+    if k == "lr": lr = float(v)
+    elif k == "buf": buf = int(v)
+    elif k.startswith("cfg."): cfg[k[4:]] = v
+    elif k == "PROMOTE":
+        import torch.nn.functional as F
+        from transformers_specblock.generation.adaptation.update import first_token_acceptance
+        mode = v
+        @torch.no_grad()
+        def _try_candidate(self):
+            candidate, self.candidate = self.candidate, None
+            fresh = [s for s in self.fresh if s.body_version == self.body_version]
+            if candidate is None or not fresh:
+                return
+            def gain(samples):
+                if not samples: return 0.0
+                normed = self.drafter.norm(torch.stack([s.state for s in samples]))
+                served = first_token_acceptance(self.drafter.lm_head(normed), samples)
+                tried = first_token_acceptance(F.linear(normed, candidate["lm_head.weight"]), samples)
+                return (tried - served) / len(samples)
+            g_all = gain(fresh); g1 = gain([s for s in fresh if s.depth == 1]); gd = gain([s for s in fresh if s.depth > 1])
+            self.report.candidate_gain = g_all
+            if mode == "split": ok = g1 > 0 and gd >= 0
+            else: ok = g_all >= float(mode)
+            if ok:
+                for name, param in self._named(AD.HEAD_ONLY):
+                    param.copy_(candidate[name])
+                self.report.promoted = True
+        AD.OnlineAdapter._try_candidate = _try_candidate
+    elif k == "STRIDE":
+        from transformers_specblock.generation.adaptation import signal as SG
+        def for_head(self, body_version, limit):
+            pool = [s for s in self.samples if s.body_version == body_version]
+            step = max(1, len(pool) // limit)
+            return pool[::-1][::step][:limit]
+        SG.SignalBuffer.for_head = for_head
+    elif k == "RANDOM":
+        import random as _r
+        from transformers_specblock.generation.adaptation import signal as SG
+        _rng = _r.Random(0)
+        def for_head(self, body_version, limit):
+            pool = [s for s in self.samples if s.body_version == body_version]
+            return _rng.sample(pool, min(limit, len(pool)))
+        SG.SignalBuffer.for_head = for_head
+    elif hasattr(U, k): setattr(U, k, type(getattr(U, k))(v))
+    elif hasattr(AD, k): setattr(AD, k, type(getattr(AD, k))(v))
+    else: raise SystemExit(f"unknown {k}")
+torch.manual_seed(0)
+target, tok = load_model("smollm2-135m-instruct", dtype=torch.float32)
+args = argparse.Namespace(num_code=9, num_chat=4, num_sharegpt=15, seed=0, tree_budget=8, max_new_tokens=ntok)
+streams = A.build_streams(tok, args)
+drafter = A.load_drafter(drafter_name, policy, tok, target, args)
+if lr is not None: drafter.config.adaptation_learning_rate = lr
+for ck, cv in cfg.items(): setattr(drafter.config, ck, type(getattr(drafter.config, ck))(cv))
+if buf is not None: drafter.config.adaptation_buffer_size = buf
+taus, acts, gains, upd, secs = [], [], [], [], []
+for row in streams[stream_name]:
+    inputs = A.encode(tok, row)
+    t = time.perf_counter()
+    target.generate(**inputs, assistant_model=drafter, do_sample=False, max_new_tokens=ntok)
+    secs.append(round(time.perf_counter() - t, 2))
+    s = drafter.last_stats
+    upd.append(round(s.adaptation_time_s, 3)); gains.append((round(s.adaptation_held_out_gain, 3), round(s.adaptation_candidate_gain, 3))); taus.append(round(s.tau, 3))
+    acts.append(s.adaptation_action[0] + ("R" if s.adaptation_restored_loaded else "") + ("B" if s.adaptation_rolled_back else "") + ("P" if getattr(s, "adaptation_promoted", False) else ""))
+n = len(taus); third = taus[2 * 9 // 3:9] if stream_name == "shift" else []
+print(json.dumps({"drafter": drafter_name, "stream": stream_name, "policy": policy, "ntok": ntok, "over": over,
+    "mean": round(sum(taus) / n, 4), "code_last_third": round(sum(third) / len(third), 4) if third else None,
+    "secs": round(sum(secs), 1), "upd": round(sum(upd), 2), "taus": taus, "acts": acts, "gains": gains}), flush=True)
