@@ -305,7 +305,12 @@ def test_bench_end_to_end_in_bfloat16(tiny_folders, tmp_path, capsys):
     ])  # fmt: skip
     results = json.loads((out / "results.json").read_text())
     assert results["settings"]["dtype"] == "bfloat16" and results["settings"]["device"] == "cpu"
-    assert results["methods"]["specblock"]["identical_to_reference"] is True
+    specblock = results["methods"]["specblock"]
+    # bfloat16 kernels differ between CPUs (an AVX512-BF16 host flips one near-tie of this tiny random model that an
+    # AVX2 host does not): identical, or left only where the float32 gap is a near-tie
+    assert specblock["identical_to_reference"] is True or (
+        specblock["left_greedy"] >= 1 and specblock["max_fp32_gap"] <= results["settings"]["near_tie_gap"]
+    ), specblock
     capsys.readouterr()
 
 

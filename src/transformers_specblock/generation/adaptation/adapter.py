@@ -10,11 +10,13 @@ of the last head-only update is served only where it does better than the served
 from the policy, (4) runs it, timed. The update runs inside the `generate` call, so its time is part of the call's
 wall time.
 
-Head-only updates train a candidate head, not the served one: one call's update did not carry over to the next
-prompt as often as it did (128-token calls: the next call's tau fell by up to 20%, docs/design.md), and a candidate
-that has beaten the served head on a call it has not seen costs no tau where it would not have helped. A
-whole-drafter update is served at once (a candidate copy of the whole drafter would double its memory), guarded by
-the tau rollback and the held-out check.
+Head-only updates train a candidate head, not the served one: one call's update often did not carry over to the
+next prompt (128-token calls: served at once, head-only updates lowered tau below "off", docs/design.md), and a
+candidate that has to beat the served head on a call it has not seen costs no tau where it would not have helped.
+The bandit's reward for a head-only update is still the next call's measured throughput (the served head's, so a
+useful candidate pays from the call after, and repeated head-only pulls carry it); a dropped candidate is charged as
+thrown away. A whole-drafter update is served at once (a candidate copy of the whole drafter would double its
+memory), guarded by the tau rollback and the held-out check.
 """
 
 from __future__ import annotations
@@ -65,8 +67,8 @@ class AdaptationReport:
     rolled_back: bool = False  # the previous call's update was undone
     restored_loaded: bool = False  # the loaded output side did better on this call's signal and was put back
     held_out_gain: float = float("nan")  # first-proposal acceptance of the served minus the loaded weights
-    candidate_gain: float = float("nan")  # the same of the last head-only update's candidate minus the served head
-    promoted: bool = False  # that candidate did better and is served from the next call on
+    candidate_gain: float = float("nan")  # the same, the last head-only update's candidate minus the served head
+    promoted: bool = False  # that candidate gained `PROMOTION_GAIN` or more and is served from the next call on
     loss: float = float("nan")  # soft cross entropy of the update's first step
 
 
@@ -90,6 +92,7 @@ class OnlineAdapter:
         self.buffer = SignalBuffer(config.adaptation_buffer_size)
         self.bandits: dict[str, CostAwareBandit] = {}
         self.body_version = 0
+        self.full_updates = 0  # whole-drafter updates run (none: the body is the loaded one)
         self.pending: _Pending | None = None
         self.candidate: dict[str, torch.Tensor] | None = None  # the head-only update's head, served once it wins
         self.last_update: str | None = None  # the update action that made the current weights
@@ -162,6 +165,7 @@ class OnlineAdapter:
                 self.last_update = action
             if action == FULL:
                 self.body_version += 1  # stored states of earlier samples no longer match the body
+                self.full_updates += 1
                 self.candidate = None  # trained on states of the old body
         reference = sum(self.recent_tau) / len(self.recent_tau)
         self.pending = _Pending(action, seconds, reference, len(self.recent_tau), snapshot)
@@ -248,7 +252,9 @@ class OnlineAdapter:
             return
         head = self._named(HEAD_ONLY)
         head_names = {n for n, _ in head}
-        if any(not torch.equal(p, loaded[n]) for n, p in self.drafter.named_parameters() if n not in head_names):
+        if self.full_updates and any(
+            not torch.equal(p, loaded[n]) for n, p in self.drafter.named_parameters() if n not in head_names
+        ):  # (comparing every weight takes 13-25 ms, 0.5-1% of a 32-token call: only after a whole-drafter update)
             self._keep_better_drafter(loaded)  # a whole-drafter update changed the body
             return
         states = torch.stack([s.state for s in fresh]).to(self.drafter.device, self.drafter.dtype)
