@@ -18,8 +18,9 @@ a call where the adapted weights beat the loaded ones on the call's fresh signal
 escalate=...)`): a whole-drafter update is worth its cost where adapting measurably helps, not in domain.
 
 A second, low-noise signal: when the held-out check finds the loaded weights better than the adapted ones on a call's
-fresh signal (same states, no throughput noise) and puts them back, or the tau check rolls an update back, the
-measured reward of the update that made them is replaced by what it really earned: "skip"'s mean less the update's
+fresh signal (same states, no throughput noise) and puts them back, drops a head-only update's candidate head that
+did not beat the served one, or the tau check rolls an update back, the measured reward of the update that made
+them is replaced by what it really earned: "skip"'s mean less the update's
 share of the call (`reject`): its weights were thrown away, its time was spent. Throughput rewards vary by +-20%
 between prompts, so without it the bandit kept updating in domain although most updates were thrown away (measured
 on 15 held-out ShareGPT calls: 9-10 head updates, 6-7 of them rejected, tau -6 to -8%). A zero reward instead (an
