@@ -14,6 +14,38 @@ for k, v in over.items():
     if k == "lr": lr = float(v)
     elif k == "buf": buf = int(v)
     elif k.startswith("cfg."): cfg[k[4:]] = v
+    elif k == "KEEP":
+        import torch.nn.functional as F
+        from transformers_specblock.generation.adaptation.update import first_token_acceptance
+        @torch.no_grad()
+        def _try_candidate(self):
+            candidate = self.candidate
+            fresh = [s for s in self.fresh if s.body_version == self.body_version]
+            if candidate is None or not fresh:
+                return
+            normed = self.drafter.norm(torch.stack([s.state for s in fresh]))
+            served = first_token_acceptance(self.drafter.lm_head(normed), fresh)
+            tried = first_token_acceptance(F.linear(normed, candidate["lm_head.weight"]), fresh)
+            self.report.candidate_gain = (tried - served) / len(fresh)
+            if self.report.candidate_gain >= AD.PROMOTION_GAIN:
+                for name, param in self._named(AD.HEAD_ONLY):
+                    param.copy_(candidate[name])
+                self.report.promoted = True
+                self.candidate = None
+        @torch.no_grad()
+        def _train_candidate(self):
+            head = self._named(AD.HEAD_ONLY)
+            served = {n: p.detach().clone() for n, p in head}
+            if self.candidate is not None:
+                for n, p in head: p.copy_(self.candidate[n])
+            with torch.enable_grad():
+                loss = self._update(AD.HEAD_ONLY)
+            if loss is not None:
+                self.candidate = {n: p.detach().clone() for n, p in head}
+            for n, p in head: p.copy_(served[n])
+            return loss
+        AD.OnlineAdapter._try_candidate = _try_candidate
+        AD.OnlineAdapter._train_candidate = _train_candidate
     elif k == "PROMOTE":
         import torch.nn.functional as F
         from transformers_specblock.generation.adaptation.update import first_token_acceptance
