@@ -29,7 +29,12 @@ from transformers_specblock.generation.adaptation import (
 )
 from transformers_specblock.generation.adaptation.adapter import ESCALATION_GAIN
 from transformers_specblock.generation.adaptation.signal import target_to_draft_ids
-from transformers_specblock.generation.adaptation.update import adaptation_loss, output_parameters, update_drafter
+from transformers_specblock.generation.adaptation.update import (
+    adaptation_loss,
+    output_parameters,
+    train_candidate_head,
+    update_whole_drafter,
+)
 from transformers_specblock.generation.tree import DraftTree
 
 POLICIES = ["off", "always", "head_only", "full", "bandit"]
@@ -182,25 +187,54 @@ def test_updates_learn_and_touch_only_their_weights(kind):
     drafter = _drafter(kind, target, online_adaptation="head_only", adaptation_learning_rate=1e-2)
     _serve(target, drafter, calls=2)
     adapter = online_adapter_for(drafter)
-    samples = adapter.buffer.for_head(adapter.body_version, 64)
+    samples = adapter.buffer.for_head(adapter.body_version, 256)
     assert samples and adapter.buffer.for_replay(16)
+    states = torch.stack([s.state for s in samples])
     head = {id(p) for p in output_parameters(drafter)}
-    for action in (HEAD_ONLY, FULL):
-        before = _weights(drafter)
-        states = torch.stack([s.state for s in samples])
-        with torch.no_grad():
-            loss_before = float(adaptation_loss(drafter, samples, states))
-        assert update_drafter(drafter, action, adapter.buffer, adapter.body_version, 1e-2) is not None
-        moved = {name for name, param in drafter.named_parameters() if not torch.equal(param, before[name])}
-        assert {n for n, p in drafter.named_parameters() if id(p) in head} <= moved
-        body_moved = {n for n, p in drafter.named_parameters() if id(p) not in head} & moved
-        assert body_moved if action == FULL else not body_moved, body_moved
-        assert not {n for n in moved if n.startswith("rank_head.")}  # the rank head is not trained online
-        if action == HEAD_ONLY:
-            with torch.no_grad():
-                assert float(adaptation_loss(drafter, samples, states)) < loss_before
+
+    # head-only: a candidate weight that fits the signal better; the drafter itself is left as it is
+    before = _weights(drafter)
+    with torch.no_grad():
+        loss_before = float(adaptation_loss(drafter, samples, states))
+    start = drafter.lm_head.weight.detach().clone()
+    weight, _ = train_candidate_head(drafter, adapter.buffer, adapter.body_version, start, 1e-2)
+    assert weight.shape == start.shape and weight.dtype == start.dtype and not torch.equal(weight, start)
+    assert all(torch.equal(p, before[n]) for n, p in drafter.named_parameters())
+    with torch.no_grad():
+        drafter.lm_head.weight.copy_(weight)
+        assert float(adaptation_loss(drafter, samples, states)) < loss_before
+        drafter.lm_head.weight.copy_(start)
+
+    # whole drafter: the output side and the body move, the rank head does not
+    assert update_whole_drafter(drafter, adapter.buffer, adapter.body_version, 1e-2) is not None
+    moved = {name for name, param in drafter.named_parameters() if not torch.equal(param, before[name])}
+    assert {n for n, p in drafter.named_parameters() if id(p) in head} <= moved
+    assert {n for n, p in drafter.named_parameters() if id(p) not in head} & moved
+    assert not {n for n in moved if n.startswith("rank_head.")}  # the rank head is not trained online
     assert all(p.grad is None for p in drafter.parameters())  # no gradients left behind
-    assert update_drafter(drafter, HEAD_ONLY, SignalBuffer(4), 0, 1e-2) is None  # no signal, no step
+    assert train_candidate_head(drafter, SignalBuffer(4), 0, start, 1e-2) is None  # no signal, no step
+    assert update_whole_drafter(drafter, SignalBuffer(4), 0, 1e-2) is None
+
+
+def test_a_candidate_head_trains_only_the_rows_the_signal_touches(monkeypatch):
+    """Rows that are neither among a state's top draft proposals nor the target's top ids keep their loaded values."""
+    from transformers_specblock.generation.adaptation import update
+
+    target = make_target("llama", vocab_size=VOCAB, seed=2)
+    drafter = _drafter("eagle3", target, online_adaptation="head_only")
+    _serve(target, drafter, calls=2)
+    adapter = online_adapter_for(drafter)
+    monkeypatch.setattr(update, "HEAD_DRAFT_ROWS", 1)
+    monkeypatch.setattr(update, "HEAD_TARGET_ROWS", 1)
+    samples = adapter.buffer.for_head(adapter.body_version, update.HEAD_BATCH)
+    start = drafter.lm_head.weight.detach().clone()
+    weight, _ = train_candidate_head(drafter, adapter.buffer, adapter.body_version, start, 1e-2)
+    with torch.no_grad():
+        proposals = drafter.lm_head(drafter.norm(torch.stack([s.state for s in samples]))).argmax(-1)
+    touched = set(proposals.tolist()) | {int(s.target_ids[0]) for s in samples if s.target_ids[0] >= 0}
+    moved = {row for row in range(start.shape[0]) if not torch.equal(weight[row], start[row])}
+    assert moved and moved <= touched
+    assert len(touched) < start.shape[0]  # the test means something: some rows were left out
 
 
 # ------------------------------------------------------------------------------------------------ the policies
@@ -471,6 +505,8 @@ def test_bad_settings_are_refused():
             pass
     with pytest.raises(ValueError, match="adaptation_learning_rate must be a float > 0"):
         _drafter("specblock", target, adaptation_learning_rate=0.0)
+    with pytest.raises(ValueError, match="adaptation_head_learning_rate must be a float > 0"):
+        _drafter("specblock", target, adaptation_head_learning_rate=-1e-3)
     with pytest.raises(ValueError, match="adaptation_buffer_size must be an int >= 1"):
         _drafter("specblock", target, adaptation_buffer_size=0)
     unbound = SpecBlockDraftModel(drafter.config)

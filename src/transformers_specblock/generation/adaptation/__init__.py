@@ -8,7 +8,7 @@ adapter.py (the per-drafter state the decoding loop drives: capture, score, roll
 from .adapter import AdaptationReport, OnlineAdapter, online_adapter_for
 from .bandit import SKIP, CostAwareBandit
 from .signal import SignalBuffer, SignalSample, collect_signal
-from .update import FULL, HEAD_ONLY, update_drafter
+from .update import FULL, HEAD_ONLY, train_candidate_head, update_whole_drafter
 
 __all__ = [
     "FULL",
@@ -21,5 +21,6 @@ __all__ = [
     "SignalSample",
     "collect_signal",
     "online_adapter_for",
-    "update_drafter",
+    "train_candidate_head",
+    "update_whole_drafter",
 ]

@@ -10,9 +10,10 @@ of the last head-only update is served only where it does better than the served
 from the policy, (4) runs it, timed. The update runs inside the `generate` call, so its time is part of the call's
 wall time.
 
-Head-only updates train a candidate head, not the served one: one call's update often did not carry over to the
-next prompt (128-token calls: served at once, head-only updates lowered tau below "off", docs/design.md), and a
-candidate that has to beat the served head on a call it has not seen costs no tau where it would not have helped.
+Head-only updates train a candidate head (from the loaded one, on the whole buffer), not the served one: one call's
+update often did not carry over to the next prompt (128-token calls: served at once, head-only updates lowered tau
+below "off", docs/design.md), and a candidate that has to beat the served head on a call it has not seen costs no
+tau where it would not have helped.
 The bandit's reward for a head-only update is still the next call's measured throughput (the served head's, so a
 useful candidate pays from the call after, and repeated head-only pulls carry it); a dropped candidate is charged as
 thrown away. A whole-drafter update is served at once (a candidate copy of the whole drafter would double its
@@ -43,8 +44,9 @@ from .update import (
     draft_logits,
     first_token_acceptance,
     replay_states,
+    train_candidate_head,
     trainable_parameters,
-    update_drafter,
+    update_whole_drafter,
 )
 
 ROLLBACK_TOLERANCE = 0.15  # roll an update back when the next call's tau is this much below the reference
@@ -155,7 +157,7 @@ class OnlineAdapter:
             if action == FULL:
                 snapshot = {n: p.detach().clone() for n, p in self._named(action)}
             start = time.perf_counter()
-            loss = self._train_candidate() if action == HEAD_ONLY else self._update(action)
+            loss = self._train_candidate() if action == HEAD_ONLY else self._update_whole_drafter()
             sync(self.drafter.device)
             if loss is None:  # no signal: nothing was changed
                 action, snapshot = SKIP, None
@@ -183,22 +185,23 @@ class OnlineAdapter:
         return self.bandits[self.policy].choose(escalate=self.report.held_out_gain >= ESCALATION_GAIN)
 
     # ---------------------------------------------------------------------------------------------------------
-    def _update(self, action: str) -> float | None:
-        return update_drafter(
-            self.drafter, action, self.buffer, self.body_version, self.drafter.config.adaptation_learning_rate
+    def _update_whole_drafter(self) -> float | None:
+        return update_whole_drafter(
+            self.drafter, self.buffer, self.body_version, self.drafter.config.adaptation_learning_rate
         )
 
-    @torch.no_grad()
     def _train_candidate(self) -> float | None:
-        """A head-only update trained into `self.candidate` from the served head; the served head stays in place."""
-        head = self._named(HEAD_ONLY)
-        served = {n: p.detach().clone() for n, p in head}
-        with torch.enable_grad():
-            loss = self._update(HEAD_ONLY)
-        if loss is not None:
-            self.candidate = {n: p.detach().clone() for n, p in head}
-            for name, param in head:
-                param.copy_(served[name])
+        """A head-only update: a candidate head trained from the loaded one (`update.train_candidate_head`) into
+        `self.candidate`; the served head stays in place until the candidate has proven itself."""
+        loaded = self.drafter.__dict__["_loaded_weights"]
+        trained = train_candidate_head(
+            self.drafter, self.buffer, self.body_version, loaded["lm_head.weight"],
+            self.drafter.config.adaptation_head_learning_rate,
+        )  # fmt: skip
+        if trained is None:
+            return None
+        weight, loss = trained
+        self.candidate = {"lm_head.weight": weight}
         return loss
 
     def _charge_thrown_away_updates(self) -> None:
@@ -272,7 +275,7 @@ class OnlineAdapter:
         """Serve the last head-only update's candidate head where it beats the served head by `PROMOTION_GAIN` on
         this call's states (which it has not trained on), every depth: the deeper ones favour the served head (they
         exist where it was right), which makes the test conservative; drop the candidate either way (the next
-        head-only update starts from the served head). Measured (SpecBlock, 128-token calls, shift stream): served
+        head-only update trains a new one from the loaded head on the buffer, this call's states included). Measured (SpecBlock, 128-token calls, shift stream): served
         on any gain, candidates that won on one call lost tau on the next (up to 15%); with the margin, tau is that
         of "off" or above."""
         candidate, self.candidate = self.candidate, None

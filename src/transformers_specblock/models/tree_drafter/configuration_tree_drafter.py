@@ -73,12 +73,13 @@ class TreeDrafterConfig(PretrainedConfig):
         Free candidates cost no drafter call; their nodes are scored by the acceptance rate each source earned in
         this `generate` call, so pruning to `tree_budget` (and "auto") weighs them with the drafter's nodes.
         online_adaptation: Learn from the verifier while serving (`generation.adaptation`): "off" (default); "always"
-            (update the whole drafter after every `generate` call, OSD-style); "head_only" (update the output side,
-            `lm_head` and the rank head, after every call); "full" (a cost-aware bandit choosing between skipping and
+            (update the whole drafter after every `generate` call, OSD-style); "head_only" (train a candidate output side,
+            `lm_head`, after every call, served once it beats the served one on the next call); "full" (a cost-aware bandit choosing between skipping and
             a whole-drafter update); "bandit" (the cost-aware bandit over skip / output side / whole drafter). The
             signal is the target distribution the verification already computed; outputs are unchanged.
-        adaptation_learning_rate: Learning rate of the online gradient steps (the output side's; a whole-drafter update
-            moves the other weights at a tenth of it).
+        adaptation_learning_rate: Learning rate of a whole-drafter update's plain gradient steps (its output side
+            moves at half of it, the other weights at a twentieth).
+        adaptation_head_learning_rate: Adam learning rate of a head-only update (the candidate `lm_head`).
         adaptation_buffer_size: Signal samples kept (the most recent; each holds the target's top-k and one drafter
             state, and a replay context of `adaptation_context` positions for whole-drafter updates).
         adaptation_top_k: Target probabilities kept per sample (the soft label of the update).
@@ -121,6 +122,7 @@ class TreeDrafterConfig(PretrainedConfig):
         ngram_cache_order: int = 2,
         online_adaptation: str = "off",
         adaptation_learning_rate: float = 2e-2,
+        adaptation_head_learning_rate: float = 1e-3,
         adaptation_buffer_size: int = 256,
         adaptation_top_k: int = 32,
         adaptation_context: int = 8,
@@ -161,6 +163,7 @@ class TreeDrafterConfig(PretrainedConfig):
         self.ngram_cache_order = ngram_cache_order
         self.online_adaptation = online_adaptation
         self.adaptation_learning_rate = adaptation_learning_rate
+        self.adaptation_head_learning_rate = adaptation_head_learning_rate
         self.adaptation_buffer_size = adaptation_buffer_size
         self.adaptation_top_k = adaptation_top_k
         self.adaptation_context = adaptation_context
@@ -223,9 +226,10 @@ class TreeDrafterConfig(PretrainedConfig):
             raise ValueError(
                 f"online_adaptation must be one of {ADAPTATION_POLICIES}, got {self.online_adaptation!r}."
             )
-        rate = self.adaptation_learning_rate
-        if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not rate > 0:
-            raise ValueError(f"adaptation_learning_rate must be a float > 0, got {rate!r}.")
+        for name in ("adaptation_learning_rate", "adaptation_head_learning_rate"):
+            rate = getattr(self, name)
+            if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not rate > 0:
+                raise ValueError(f"{name} must be a float > 0, got {rate!r}.")
         for name in ("adaptation_buffer_size", "adaptation_top_k", "adaptation_context"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
