@@ -71,6 +71,44 @@ for k, v in over.items():
                     param.copy_(candidate[name])
                 self.report.promoted = True
         AD.OnlineAdapter._try_candidate = _try_candidate
+    elif k == "ADAM":
+        lr_a, steps_a, batch_a, start_a, *rows_a = v.split(",")
+        import torch.nn.functional as F
+        @torch.no_grad()
+        def _train_candidate(self):
+            samples = self.buffer.for_head(self.body_version, int(batch_a))
+            if not samples:
+                return None
+            loaded = self.drafter.__dict__.get("_loaded_weights")
+            start = loaded["lm_head.weight"] if start_a == "loaded" else self.drafter.lm_head.weight
+            states = self.drafter.norm(torch.stack([s.state for s in samples])).detach()
+            ids = torch.stack([s.target_ids for s in samples]); probs = torch.stack([s.target_probs for s in samples]) * (ids >= 0)
+            probs = probs / probs.sum(-1, keepdim=True).clamp(min=1e-12)
+            full_W = start.detach().clone()
+            if rows_a:  # train only the rows of the target's top ids and the drafter's own top proposals
+                with torch.no_grad():
+                    top_d = F.linear(states, full_W).topk(int(rows_a[0]), dim=-1).indices
+                rows_idx = torch.unique(torch.cat([ids[:, : int(rows_a[1])].flatten(), top_d.flatten()]))
+                rows_idx = rows_idx[rows_idx >= 0]
+                remap = torch.full((full_W.shape[0],), -1, dtype=torch.long); remap[rows_idx] = torch.arange(rows_idx.numel())
+                ids = remap[ids.clamp(min=0)].where(ids >= 0, torch.full_like(ids, -1))
+                probs = probs * (ids >= 0)
+                W = full_W[rows_idx].clone().requires_grad_(True)
+            else:
+                W = full_W.clone().requires_grad_(True)
+            opt = torch.optim.Adam([W], lr=float(lr_a))
+            first = None
+            with torch.enable_grad():
+                for _ in range(int(steps_a)):
+                    logq = F.linear(states, W).log_softmax(-1)
+                    loss = -(probs * logq.gather(1, ids.clamp(min=0))).sum(-1).mean()
+                    opt.zero_grad(); loss.backward(); opt.step()
+                    first = float(loss) if first is None else first
+            if rows_a:
+                full_W[rows_idx] = W.detach(); W = full_W
+            self.candidate = {"lm_head.weight": W.detach()}
+            return first
+        AD.OnlineAdapter._train_candidate = _train_candidate
     elif k == "STRIDE":
         from transformers_specblock.generation.adaptation import signal as SG
         def for_head(self, body_version, limit):

@@ -27,7 +27,7 @@ HEAD_STEPS, HEAD_BATCH = 10, 256  # Adam steps of a candidate head, newest store
 HEAD_DRAFT_ROWS, HEAD_TARGET_ROWS = 16, 8  # rows a candidate trains: each state's top proposals, the target's top ids
 FULL_STEPS, FULL_BATCH = 4, 16  # gradient steps per whole-drafter update, newest replayable samples per step
 FULL_STORED = 64  # newest stored states a whole-drafter update trains the output side on besides the replay
-FULL_LR_SCALE = 0.5  # a whole-drafter update's rate relative to the head-only one (2 steps at 1x lowered tau)
+FULL_LR_SCALE = 0.5  # a whole-drafter update's output-side rate over `adaptation_learning_rate` (1x lowered tau)
 BODY_LR_SCALE = 0.1  # the body's learning rate relative to the output side's (at 1x a full update lowered tau)
 
 
