@@ -237,6 +237,23 @@ def test_a_candidate_head_trains_only_the_rows_the_signal_touches(monkeypatch):
     assert len(touched) < start.shape[0]  # the test means something: some rows were left out
 
 
+@pytest.mark.parametrize("kind", ["specblock", "eagle3"])
+def test_head_only_adaptation_runs_in_bfloat16(kind):
+    """A CPU user of this hardware runs bfloat16: the candidate head trains in float32 and comes back in the
+    drafter's dtype, and serving goes on with it."""
+    target = make_target("llama", vocab_size=VOCAB, seed=2).to(torch.bfloat16)
+    drafter = _drafter(kind, target, online_adaptation="head_only").to(torch.bfloat16)
+    for seed in range(3):
+        out = target.generate(_prompt(seed), assistant_model=drafter, do_sample=False, max_new_tokens=16)
+        assert out.shape[1] == _prompt(seed).shape[1] + 16
+        assert drafter.last_stats.adaptation_action == "head_only"
+        assert math.isfinite(online_adapter_for(drafter).report.loss)
+    adapter = online_adapter_for(drafter)
+    assert adapter.candidate["lm_head.weight"].dtype == torch.bfloat16
+    assert not math.isnan(drafter.last_stats.adaptation_candidate_gain)  # a candidate was tested on fresh signal
+    assert all(p.dtype == torch.bfloat16 for p in drafter.parameters())
+
+
 # ------------------------------------------------------------------------------------------------ the policies
 def _bandit_run(arms, net_throughput, calls=60, rejected=(), rejected_first=0):
     """Serve `calls` synthetic calls: `net_throughput[arm]` = (tokens/s while decoding, update seconds); the held-out
