@@ -27,6 +27,7 @@ from transformers_specblock.generation.adaptation import (
     collect_signal,
     online_adapter_for,
 )
+from transformers_specblock.generation.adaptation import update
 from transformers_specblock.generation.adaptation.adapter import ESCALATION_GAIN
 from transformers_specblock.generation.adaptation.signal import target_to_draft_ids
 from transformers_specblock.generation.adaptation.update import (
@@ -218,8 +219,6 @@ def test_updates_learn_and_touch_only_their_weights(kind):
 
 def test_a_candidate_head_trains_only_the_rows_the_signal_touches(monkeypatch):
     """Rows that are neither among a state's top draft proposals nor the target's top ids keep their loaded values."""
-    from transformers_specblock.generation.adaptation import update
-
     target = make_target("llama", vocab_size=VOCAB, seed=2)
     drafter = _drafter("eagle3", target, online_adaptation="head_only")
     _serve(target, drafter, calls=2)

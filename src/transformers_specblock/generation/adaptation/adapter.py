@@ -275,9 +275,9 @@ class OnlineAdapter:
         """Serve the last head-only update's candidate head where it beats the served head by `PROMOTION_GAIN` on
         this call's states (which it has not trained on), every depth: the deeper ones favour the served head (they
         exist where it was right), which makes the test conservative; drop the candidate either way (the next
-        head-only update trains a new one from the loaded head on the buffer, this call's states included). Measured (SpecBlock, 128-token calls, shift stream): served
-        on any gain, candidates that won on one call lost tau on the next (up to 15%); with the margin, tau is that
-        of "off" or above."""
+        head-only update trains a new one from the loaded head on the buffer, this call's states included).
+        Measured (SpecBlock, 128-token calls, shift stream): served on any gain, candidates that won on one call lost
+        tau on the next (up to 15%); with the margin, tau is that of "off" or above."""
         candidate, self.candidate = self.candidate, None
         fresh = [s for s in self.fresh if s.body_version == self.body_version]
         if candidate is None or not fresh:

@@ -73,10 +73,11 @@ class TreeDrafterConfig(PretrainedConfig):
         Free candidates cost no drafter call; their nodes are scored by the acceptance rate each source earned in
         this `generate` call, so pruning to `tree_budget` (and "auto") weighs them with the drafter's nodes.
         online_adaptation: Learn from the verifier while serving (`generation.adaptation`): "off" (default); "always"
-            (update the whole drafter after every `generate` call, OSD-style); "head_only" (train a candidate output side,
-            `lm_head`, after every call, served once it beats the served one on the next call); "full" (a cost-aware bandit choosing between skipping and
-            a whole-drafter update); "bandit" (the cost-aware bandit over skip / output side / whole drafter). The
-            signal is the target distribution the verification already computed; outputs are unchanged.
+            (update the whole drafter after every `generate` call, OSD-style); "head_only" (train a candidate output
+            side, `lm_head`, after every call, served once it beats the served one on the next call); "full" (a
+            cost-aware bandit choosing between skipping and a whole-drafter update); "bandit" (the cost-aware bandit
+            over skip / output side / whole drafter). The signal is the target distribution the verification already
+            computed; outputs are unchanged.
         adaptation_learning_rate: Learning rate of a whole-drafter update's plain gradient steps (its output side
             moves at half of it, the other weights at a twentieth).
         adaptation_head_learning_rate: Adam learning rate of a head-only update (the candidate `lm_head`).
