@@ -51,7 +51,9 @@ class DeepOracleGenerator(TreeCandidateGenerator):
 
 def install_deep_oracle(monkeypatch, drafter, reference, depths=(3, 1, 4, 2)) -> list[DeepOracleGenerator]:
     """Make `generate(assistant_model=drafter)` draft with a `DeepOracleGenerator` (other drafters are untouched);
-    returns the list the generators of later `generate` calls are appended to."""
+    returns the list the generators of later `generate` calls are appended to. For a batch, `reference` is a list of
+    per-row references (each row's visible prompt and continuation): a call makes one generator per row, in order."""
+    per_row = [reference] if not isinstance(reference[0], (list, tuple)) else list(reference)
     model_type = drafter.config.model_type
     real = CANDIDATE_GENERATOR_MAPPING[model_type]
     real = getattr(real, "real_generator", real)  # installed twice in one test: wrap the real one, not the oracle
@@ -60,7 +62,8 @@ def install_deep_oracle(monkeypatch, drafter, reference, depths=(3, 1, 4, 2)) ->
     def factory(candidate_drafter, **overrides):
         generator = real(candidate_drafter, **overrides)
         if candidate_drafter is drafter:
-            generator = DeepOracleGenerator(generator, [int(t) for t in reference], depths)
+            row_reference = per_row[len(made) % len(per_row)]
+            generator = DeepOracleGenerator(generator, [int(t) for t in row_reference], depths)
             made.append(generator)
         return generator
 

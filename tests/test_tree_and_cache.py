@@ -127,8 +127,8 @@ def test_compacted_cache_continues_exactly():
             tree.tokens[None], attention_mask=tree_verification_mask(tree, torch.ones(6, dtype=torch.bool), torch.float32),
             position_ids=(6 + tree.depths)[None], past_key_values=cache,
         )  # fmt: skip
-        keep = torch.tensor([0, 2, 3, 5])  # root -> 20 -> 30 -> 50
-        compact_cache(cache, 6, keep)
+        holds = compact_cache(cache, 6, [[0, 2, 3, 5]])  # root -> 20 -> 30 -> 50
+        assert holds.tolist() == [[True] * 4]
         assert cache.get_seq_length() == 6 + 4
         nxt = torch.tensor([[7]])
         continued = target(nxt, past_key_values=cache, position_ids=torch.tensor([[10]])).logits[0, -1]

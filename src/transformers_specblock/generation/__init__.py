@@ -1,7 +1,7 @@
 """Decoding with a tree drafter: tree, candidate generators (draft), verification, acceptance, cache compaction,
 the tree budget, the loop and its entry into `generate`."""
 
-from .acceptance import greedy_accept, sample_accept
+from .acceptance import greedy_accept, greedy_accept_rows, sample_accept
 from .budget import AutoBudget, TargetCost, auto_budget_for, best_budget, measure_target_cost
 from .cache_utils import compact_cache, full_attention_cache, truncate_cache
 from .candidate_generators import (
@@ -16,7 +16,8 @@ from .decoding import SpecBlockStats, tree_speculative_decoding
 from .integration import generate, install, uninstall
 from .logits_process import TreeLogitsProcessor
 from .tree import DraftTree, tree_verification_mask
-from .verification import Verification, verify_tree
+from .tree_batch import TreeBatch
+from .verification import Verification, verify_trees
 
 __all__ = [
     "CANDIDATE_GENERATOR_MAPPING",
@@ -28,6 +29,7 @@ __all__ = [
     "SpecBlockStats",
     "TargetCost",
     "TreeCandidateGenerator",
+    "TreeBatch",
     "TreeLogitsProcessor",
     "Verification",
     "auto_budget_for",
@@ -37,6 +39,7 @@ __all__ = [
     "generate",
     "get_candidate_generator",
     "greedy_accept",
+    "greedy_accept_rows",
     "install",
     "measure_target_cost",
     "sample_accept",
@@ -44,5 +47,5 @@ __all__ = [
     "tree_verification_mask",
     "truncate_cache",
     "uninstall",
-    "verify_tree",
+    "verify_trees",
 ]

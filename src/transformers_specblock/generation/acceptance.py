@@ -1,23 +1,36 @@
-"""Accept: the longest path of the tree the target agrees with (greedy), or lossless speculative sampling."""
+"""Accept: per row, the longest path of its tree the target agrees with (greedy, all rows at once), or lossless
+speculative sampling (one row at a time)."""
 
 from __future__ import annotations
 
 import torch
 
 from .tree import DraftTree
+from .tree_batch import TreeBatch
+
+
+def greedy_accept_rows(trees: TreeBatch, processed: torch.Tensor) -> tuple[list[list[int]], torch.LongTensor]:
+    """Every row's longest root path whose tokens equal the target's argmax, in one pass over the batch.
+
+    processed: [B, N+1, V]. Returns each row's kept nodes (root first, then the accepted nodes by depth; one host
+    read for the whole batch) and the bonus tokens [B] (the target's pick after each row's last kept node).
+    """
+    choice = processed.argmax(-1).to(trees.tokens.device)  # [B, N+1] target's pick after each node
+    matches = (trees.tokens == choice.gather(1, trees.parents.clamp(min=0))) & trees.real
+    matches[:, 0] = True
+    on_path = ~(trees.ancestors & ~matches[:, None, :]).any(-1)  # [B, N+1]: every ancestor matched
+    # siblings hold distinct tokens, so each row's matching nodes form one chain: sort it by depth, the rest after
+    order = torch.argsort(torch.where(on_path, trees.depths, trees.size), dim=1, stable=True)
+    lengths = on_path.sum(-1)  # kept nodes per row (root included)
+    bonus = choice.gather(1, order.gather(1, (lengths - 1)[:, None]))[:, 0]
+    table = torch.cat([lengths[:, None], order], dim=1).tolist()  # the one host read
+    return [row[1 : 1 + row[0]] for row in table], bonus
 
 
 def greedy_accept(tree: DraftTree, processed: torch.Tensor) -> tuple[torch.LongTensor, torch.LongTensor]:
-    """Longest root path whose tokens equal the target's argmax; returns (accepted node ids, bonus token)."""
-    choice = processed.argmax(-1).to(tree.tokens.device)  # [N+1] target's pick after each node
-    matches = tree.tokens == choice[tree.parents.clamp(min=0)]
-    matches[0] = True
-    on_path = ~(tree.ancestor_matrix() & ~matches[None, :]).any(-1)  # every ancestor matched
-    # siblings hold distinct tokens, so the matching nodes form one chain; order it by depth
-    path = on_path.nonzero().squeeze(1)
-    path = path[torch.argsort(tree.depths[path])][1:]
-    last = path[-1] if path.numel() else torch.zeros((), dtype=torch.long, device=path.device)
-    return path, choice[last].reshape(1)
+    """One tree (processed [N+1, V]): the accepted node ids (root excluded) and the bonus token [1]."""
+    kept, bonus = greedy_accept_rows(TreeBatch.pad([tree]), processed[None])
+    return torch.tensor(kept[0][1:], dtype=torch.long, device=tree.tokens.device), bonus
 
 
 def sample_accept(
@@ -29,7 +42,7 @@ def sample_accept(
     p(x) under the current residual p; on rejection set p(x) = 0 and renormalise. When every child is rejected (or
     at a leaf), the bonus token is sampled from the residual. The result is distributed exactly as p.
     """
-    probs = processed.softmax(-1)
+    probs = processed.float().softmax(-1)
     node, path = 0, []
     while True:
         residual = probs[node].clone()

@@ -23,6 +23,7 @@ import time
 import weakref
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
@@ -32,7 +33,8 @@ from ..models.tree_drafter.modeling_tree_drafter import TreeDraftModel
 from ..utils import sync
 from .cache_utils import truncate_cache
 from .lookup import LookupSettings
-from .tree import DraftTree, tree_verification_mask
+from .tree import DraftTree
+from .tree_batch import TreeBatch
 
 DEFAULT_WINDOW = 64  # verified steps: the estimates are means over the samples of the last `window` steps
 DEFAULT_KEEP = 4  # ... and over at least the last `keep` samples of each candidate
@@ -40,6 +42,7 @@ DEFAULT_KEEP = 4  # ... and over at least the last `keep` samples of each candid
 # matrix product), which interpolating between the candidates would hide, and small trees are common once
 # `worth_verifying` sizes them.
 SMALL_SIZES = {0, 1, 2, 3, 4}
+BATCH_CONTEXT = 128  # cached positions per row when timing a batch (a shorter prefill: 16 rows x 256 took seconds)
 
 
 _COST_CACHE: "weakref.WeakKeyDictionary[PreTrainedModel, dict[str, TargetCost]]" = weakref.WeakKeyDictionary()
@@ -65,19 +68,20 @@ class TargetCost:
 
 @torch.no_grad()
 def measure_target_cost(
-    target: PreTrainedModel, sizes: list[int], context_length: int = 256, repeats: int = 3
+    target: PreTrainedModel, sizes: list[int], context_length: int = 256, repeats: int = 3, batch_size: int = 1
 ) -> TargetCost:
-    """Time the target verifying chains of each size after a `context_length` cache (min over repeats), cached per
-    model and device. Size 0 is a plain decoding step (the root token alone)."""
-    key = f"{target.device}:{context_length}:{sorted(sizes)}"
+    """Time the target verifying chains of each size after a `context_length` cache in each of `batch_size` rows
+    (min over repeats), cached per model, device and batch size. Size 0 is a plain decoding step (the root alone)."""
+    key = f"{target.device}:{context_length}:{sorted(sizes)}:{batch_size}"
     per_model = _COST_CACHE.setdefault(target, {})
     if key in per_model:
         return per_model[key]
     vocab = target.get_input_embeddings().num_embeddings
     generator = torch.Generator().manual_seed(0)
-    context = torch.randint(0, vocab, (1, context_length), generator=generator).to(target.device)
+    context = torch.randint(0, vocab, (batch_size, context_length), generator=generator).to(target.device)
     cache = DynamicCache()
     target(context, past_key_values=cache, use_cache=True)
+    visible = torch.ones(batch_size, context_length, dtype=torch.bool)
     seconds = []
     for size in sorted(sizes):
         tree = DraftTree.root_only(0, target.device)
@@ -85,14 +89,15 @@ def measure_target_cost(
             torch.randint(0, vocab, (size,), generator=generator), torch.arange(size), torch.arange(1, size + 1),
             -torch.arange(1.0, size + 1),
         )  # fmt: skip
-        mask = tree_verification_mask(tree, torch.ones(context_length, dtype=torch.bool), target.dtype)
+        trees = TreeBatch.pad([tree] * batch_size)
+        mask = trees.attention_mask(visible, target.dtype).to(target.device)
         best = float("inf")
         for _ in range(repeats + 1):  # the first call warms up kernels and allocator
             sync(target.device)
             start = time.perf_counter()
             target(
-                tree.tokens[None], attention_mask=mask.to(target.device), past_key_values=cache, use_cache=True,
-                position_ids=(context_length + tree.depths)[None],
+                trees.tokens.to(target.device), attention_mask=mask, past_key_values=cache, use_cache=True,
+                position_ids=(context_length + trees.depths).to(target.device),
             )  # fmt: skip
             sync(target.device)
             best = min(best, time.perf_counter() - start)
@@ -102,6 +107,11 @@ def measure_target_cost(
     seconds = [min(seconds[i:]) for i in range(len(seconds))]
     per_model[key] = TargetCost(sorted(sizes), seconds)
     return per_model[key]
+
+
+def batch_bucket(batch_size: int) -> int:
+    """The batch size whose cost curve stands for `batch_size` live rows: the next power of two."""
+    return 1 << (batch_size - 1).bit_length()
 
 
 def best_budget(
@@ -166,6 +176,11 @@ class AutoBudget:
     steps: int = 0  # verified steps after the warm-up: the exploration clock
     explorations: int = 0
     free_at_zero: bool = False  # budget 0 verifies the free candidates' tree (no drafter call) instead of nothing
+    # batches: the target's cost curve per batch bucket (`batch_bucket`), measured on first use by `measure`; `cost`
+    # is the live batch's, and drafting (measured per row) is paid once per live row
+    measure: Callable[[int], TargetCost] | None = None
+    batch_size: int = 1
+    batch_costs: dict[int, TargetCost] = field(default_factory=dict)
     tau: dict[int, RecentMean] = field(init=False)  # committed tokens per tree, per candidate > 0
     size: dict[int, RecentMean] = field(init=False)  # nodes a tree of each candidate budget verifies
     drafting: RecentMean = field(init=False)  # drafter seconds per representative speculative step
@@ -181,6 +196,15 @@ class AutoBudget:
     @property
     def largest(self) -> int:
         return self.ladder[-1]
+
+    def set_batch_size(self, live_rows: int) -> None:
+        """Choose for `live_rows` rows verified together: their bucket's cost curve, drafting paid per row."""
+        self.batch_size = live_rows
+        bucket = batch_bucket(live_rows)
+        if self.measure is not None and bucket not in self.batch_costs:
+            self.batch_costs[bucket] = self.cost if bucket == 1 else self.measure(bucket)
+        if bucket in self.batch_costs:
+            self.cost = self.batch_costs[bucket]
 
     def estimates(self) -> dict[int, float]:
         """The current tau estimate of every measured candidate (candidate 0: exactly 1, or the measured tau of the
@@ -231,7 +255,7 @@ class AutoBudget:
         tau = self.estimates()
         sizes = {b: self.size[b].mean(self.clock) for b in tau if b}
         sizes[0] = self.free_size.mean(self.clock) if self.free_size.count else 0.0
-        return best_budget(tau, self.cost, self.drafting.mean(self.clock), sizes)
+        return best_budget(tau, self.cost, self.drafting.mean(self.clock) * self.batch_size, sizes)
 
     def worth_verifying(self, tree: DraftTree, drafted: bool = True) -> DraftTree:
         """The prefix of `tree`'s pruning order with the most expected tokens per second: n maximising
@@ -243,7 +267,7 @@ class AutoBudget:
             return tree
         order = tree.pruning_order()[1:]
         accepted = (1.0 + torch.cumsum(tree.path_scores()[order].exp(), 0)).tolist()  # E[tokens] keeping n nodes
-        drafting = self.drafting.mean(self.clock) if drafted else 0.0
+        drafting = self.drafting.mean(self.clock) * self.batch_size if drafted else 0.0
         rates = [1.0 / (self.cost(0) + drafting)] + [a / (self.cost(n) + drafting) for n, a in enumerate(accepted, 1)]
         best = max(range(len(rates)), key=rates.__getitem__)
         return tree.prune(best)
@@ -274,10 +298,12 @@ def auto_budget_for(drafter: TreeDraftModel, target: PreTrainedModel) -> AutoBud
     key = (id(target), str(target.device), tuple(candidates), LookupSettings.from_config(config))
     choosers = drafter.__dict__.setdefault("_auto_budgets", {})
     if key not in choosers:
+        sizes = sorted(set(candidates) | SMALL_SIZES)
         choosers[key] = AutoBudget(
-            candidates, measure_target_cost(target, sorted(set(candidates) | SMALL_SIZES)),
+            candidates, measure_target_cost(target, sizes),
             warmup=config.auto_budget_warmup,
             free_at_zero=key[-1].enabled,
+            measure=lambda batch_size: measure_target_cost(target, sizes, BATCH_CONTEXT, batch_size=batch_size),
         )  # fmt: skip
     drafter.__dict__["_auto_budget"] = choosers[key]  # the chooser of the latest call, for inspection
     return choosers[key]

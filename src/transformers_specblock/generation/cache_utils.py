@@ -1,4 +1,4 @@
-"""Compact: target and drafter KV caches after a verified tree (keep the accepted path, drop the rest)."""
+"""Compact: target and drafter KV caches after verified trees (keep each row's accepted path, drop the rest)."""
 
 from __future__ import annotations
 
@@ -7,18 +7,45 @@ from transformers import DynamicCache, GenerationConfig, PreTrainedModel
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 
-def compact_cache(cache: DynamicCache, past_length: int, keep: torch.LongTensor) -> None:
-    """Keep the tree entries `keep` (node ids, root first) right after the first `past_length` entries; drop the rest."""
-    positions = (past_length + keep).to(cache.layers[0].keys.device)
+def compact_cache(cache: DynamicCache, past_length: int, kept: list[list[int]]) -> torch.BoolTensor:
+    """Keep each row's tree entries `kept[row]` (node ids, root first) right after the first `past_length` entries,
+    drop the rest; returns which of the K = max(len(kept[row])) new entries each row holds ([B, K]; the rest are
+    holes its attention mask must hide).
+
+    A crop where every row keeps the same contiguous prefix of its tree (a plain step, a chain accepted whole);
+    otherwise one gather per layer over all rows.
+    """
+    width = max(len(nodes) for nodes in kept)
+    if any(nodes != list(range(width)) for nodes in kept):
+        padded = [nodes + nodes[-1:] * (width - len(nodes)) for nodes in kept]  # holes repeat the row's last entry
+        index = past_length + torch.tensor(padded, device=cache.layers[0].keys.device)  # [B, K]
+        for layer in _full_attention_layers(cache):
+            idx = index.to(layer.keys.device)[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[3])
+            layer.keys[:, :, past_length : past_length + width] = layer.keys.gather(2, idx)
+            layer.values[:, :, past_length : past_length + width] = layer.values.gather(2, idx)
+    truncate_cache(cache, past_length + width)
+    counts = torch.tensor([len(nodes) for nodes in kept])
+    return torch.arange(width)[None, :] < counts[:, None]
+
+
+def repack_cache(cache: DynamicCache, visible: torch.BoolTensor, drop: int) -> torch.BoolTensor:
+    """Drop `drop` cache columns from every row, columns the row hides (left padding, holes of ragged acceptance,
+    entries of rows that left the batch; each row must hide at least `drop`): each row keeps its visible entries in
+    order, right-aligned. visible: [B, S] what each row sees; returns the new visibility [B, S - drop]."""
+    order = torch.argsort(visible.long(), dim=1, stable=True)[:, drop:]  # hidden entries first, then visible ones
+    for layer in _full_attention_layers(cache):
+        idx = order.to(layer.keys.device)[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[3])
+        layer.keys, layer.values = layer.keys.gather(2, idx), layer.values.gather(2, idx)
+    return visible.gather(1, order)
+
+
+def _full_attention_layers(cache: DynamicCache) -> list[DynamicLayer]:
     for layer in cache.layers:
         if isinstance(layer, DynamicSlidingWindowLayer) or not isinstance(layer, DynamicLayer):
             raise NotImplementedError(
                 f"Tree verification compacts full-attention DynamicCache layers only, got {type(layer).__name__}."
             )
-        idx = positions.to(layer.keys.device)
-        layer.keys[:, :, past_length : past_length + idx.numel()] = layer.keys[:, :, idx]
-        layer.values[:, :, past_length : past_length + idx.numel()] = layer.values[:, :, idx]
-    truncate_cache(cache, past_length + keep.numel())
+    return cache.layers
 
 
 def truncate_cache(cache: DynamicCache, length: int) -> None:

@@ -23,24 +23,29 @@ from transformers.generation.streamers import BaseStreamer
 from ..models.tree_drafter.configuration_tree_drafter import AUTO
 from ..models.tree_drafter.modeling_tree_drafter import TreeDraftModel
 from ..utils import sync
-from .acceptance import greedy_accept, sample_accept
+from .acceptance import greedy_accept_rows, sample_accept
 from .adaptation import online_adapter_for
 from .budget import auto_budget_for
-from .cache_utils import compact_cache, full_attention_cache
+from .cache_utils import compact_cache, full_attention_cache, repack_cache
 from .candidate_generators import TreeCandidateGenerator, get_candidate_generator
 from .logits_process import TreeLogitsProcessor
+from .rows import Row, batch_output, commit, record
 from .tree import DraftTree
-from .verification import target_features, verify_tree
+from .tree_batch import TreeBatch
+from .verification import target_features, verify_trees
+
+REPACK_MIN_HOLES = 16  # cache columns every row hides before they are dropped (and at least a quarter of the cache)
 
 
 @dataclass
 class SpecBlockStats:
     """Statistics of the last `generate` call, stored on the drafter as `drafter.last_stats`."""
 
-    iterations: int = 0
-    new_tokens: int = 0
-    accepted_per_iteration: list[int] = field(default_factory=list)  # tokens committed per verification
-    nodes_per_iteration: list[int] = field(default_factory=list)  # drafted nodes verified per iteration
+    iterations: int = 0  # verified trees (a batch verifies one tree per live row in each target forward)
+    target_forwards: int = 0  # verification forwards (the prefill not counted)
+    new_tokens: int = 0  # over all rows
+    accepted_per_iteration: list[int] = field(default_factory=list)  # tokens committed per verified tree
+    nodes_per_iteration: list[int] = field(default_factory=list)  # drafted nodes per verified tree
     drafter_forwards: int = 0
     drafter_time_s: float = 0.0
     target_time_s: float = 0.0
@@ -82,15 +87,16 @@ def _validate(
     input_ids: torch.LongTensor,
     generation_config: GenerationConfig,
     model_kwargs: dict[str, Any],
+    streamer: BaseStreamer | None,
 ) -> None:
     drafter.check_target(target)
-    if input_ids.shape[0] != 1:
-        raise ValueError(
-            f"SpecBlock tree decoding supports batch size 1, got {input_ids.shape[0]} sequences. "
-            "Call generate once per prompt."
-        )
     if input_ids.shape[1] == 0:
         raise ValueError("The prompt is empty: SpecBlock needs at least one prompt token (e.g. the BOS token).")
+    if streamer is not None and input_ids.shape[0] > 1:
+        raise ValueError(
+            f"Streamers support batch size 1 (transformers' TextStreamer refuses batches too), got "
+            f"{input_ids.shape[0]} sequences. Drop the streamer or generate one prompt at a time."
+        )
     if target.config._attn_implementation not in ("eager", "sdpa"):
         raise ValueError(
             f"Tree verification needs a 4D tree attention mask, which '{target.config._attn_implementation}' attention "
@@ -107,8 +113,19 @@ def _validate(
     if generation_config.output_attentions or generation_config.output_hidden_states:
         raise ValueError("output_attentions / output_hidden_states are not available with tree decoding.")
     mask = model_kwargs.get("attention_mask")
-    if mask is not None and bool((mask[0, 1:] < mask[0, :-1]).any()):
-        raise ValueError("attention_mask may only mask left padding (zeros before ones) with SpecBlock decoding.")
+    if mask is None:
+        return
+    right_padded = (mask[:, 1:] < mask[:, :-1]).any(dim=1).nonzero().flatten().tolist()
+    if right_padded:
+        raise ValueError(
+            f"attention_mask rows {right_padded} pad on the right (ones before zeros); SpecBlock decoding takes left "
+            "padding only, as transformers' batched generate does: set tokenizer.padding_side = 'left'."
+        )
+    empty = (mask.sum(dim=1) == 0).nonzero().flatten().tolist()
+    if empty:
+        raise ValueError(
+            f"attention_mask rows {empty} mask every token: each prompt needs at least one token (e.g. the BOS token)."
+        )
 
 
 def tree_speculative_decoding(
@@ -122,34 +139,37 @@ def tree_speculative_decoding(
     assistant_model: TreeDraftModel | None = None,
     **model_kwargs: Any,
 ) -> GenerateDecoderOnlyOutput | torch.LongTensor:
-    """Decode with a tree drafter (SpecBlock, EAGLE-3); same arguments and outputs as `_assisted_decoding`."""
+    """Decode a batch with a tree drafter; same arguments and outputs as `_assisted_decoding`.
+
+    Every row drafts its own tree (its own candidate generator: drafter cache, queued context, free candidates);
+    the target verifies all rows' trees in one forward; each row accepts its own path and rows that finish leave
+    the batch."""
     drafter = assistant_model
-    _validate(model, drafter, input_ids, generation_config, model_kwargs)
+    _validate(model, drafter, input_ids, generation_config, model_kwargs, streamer)
     if synced_gpus:
         raise ValueError("synced_gpus (DeepSpeed ZeRO-3 / FSDP) is not supported with SpecBlock decoding.")
     drafter.bind_target(model)
-    generator = get_candidate_generator(drafter)
+    device = model.device
+    generators = [get_candidate_generator(drafter) for _ in range(input_ids.shape[0])]
     adapter = online_adapter_for(drafter) if drafter.config.online_adaptation != "off" else None
     if adapter is not None:
-        adapter.start_call(generator)
+        adapter.start_call(generators)
     auto_budget = auto_budget_for(drafter, model) if drafter.config.tree_budget == AUTO else None
-    cache = full_attention_cache(model, model_kwargs["past_key_values"], generation_config, generator.tree_budget)
-    feature_layers = drafter.config.feature_layers if generator.reads_features else []
+    cache = full_attention_cache(model, model_kwargs["past_key_values"], generation_config, generators[0].tree_budget)
+    feature_layers = drafter.config.feature_layers if generators[0].reads_features else []
     tree_processor = TreeLogitsProcessor(logits_processor)  # refuses stateful processors before any forward
-    accept = sample_accept if generation_config.do_sample else greedy_accept
-    outputs = _Outputs(generation_config)
     stats = SpecBlockStats()
     started = time.perf_counter()
+    # the drafter reads committed positions lazily, right before it drafts (none at all while "auto" chooses 0)
+    drafts_ever = auto_budget is None or auto_budget.largest > 0
 
-    # prefill: the prompt through the target gives the first token and the drafter's context features
+    # prefill: the prompts through the target give the first tokens and the drafters' context features
     mask_2d = model_kwargs.get("attention_mask")
-    prefix_visible = (
-        mask_2d[0].bool() if mask_2d is not None else torch.ones(input_ids.shape[1], dtype=torch.bool)
-    ).to(model.device)
+    visible = (mask_2d.bool() if mask_2d is not None else torch.ones_like(input_ids, dtype=torch.bool)).to(device)
     prompt = model(
-        input_ids=input_ids.to(model.device),
+        input_ids=input_ids.to(device),
         attention_mask=mask_2d,
-        position_ids=((prefix_visible.long().cumsum(0) - 1).clamp(min=0))[None],
+        position_ids=(visible.long().cumsum(-1) - 1).masked_fill(~visible, 1),  # as transformers' generate
         past_key_values=cache,
         use_cache=True,
         output_hidden_states=feature_layers or False,
@@ -157,68 +177,100 @@ def tree_speculative_decoding(
     )
     raw = prompt.logits[:, -1].float()
     processed = logits_processor(input_ids, raw.clone())
-    token = torch.multinomial(processed.softmax(-1), 1)[0] if generation_config.do_sample else processed.argmax(-1)
-    features = target_features(prompt, feature_layers, input_ids.shape[1], model.device)[prefix_visible]
-    next_position = int(prefix_visible.sum())  # rotary position of the first generated token
-    prompt_length = input_ids.shape[1]
-    left_padding = prompt_length - next_position  # the committed text (what free candidates read) starts after it
-    input_ids, kept, done = _commit(input_ids, token.to(input_ids.device), stopping_criteria, processed, streamer)
-    outputs.record(processed, raw, kept)
-    # the drafter reads committed positions lazily, right before it drafts (none at all while "auto" chooses 0)
-    drafts_ever = auto_budget is None or auto_budget.largest > 0
-    if not done and drafts_ever:
-        context = torch.cat([input_ids[0, :-1][prefix_visible.to(input_ids.device)][1:], input_ids[0, -1:]])
-        generator.queue(features, context, first_position=1)
+    first = torch.multinomial(processed.softmax(-1), 1)[:, 0] if generation_config.do_sample else processed.argmax(-1)
+    features = target_features(prompt, feature_layers, tuple(input_ids.shape), device)
+    lengths = visible.sum(1).tolist()
+    rows = [
+        Row(r, input_ids[r], input_ids.shape[1] - n, n, generator, hidden=input_ids.shape[1] - n)
+        for r, (n, generator) in enumerate(zip(lengths, generators))
+    ]
+    kept = commit(rows, list(first.to(input_ids.device)[:, None]), list(processed[:, None]), stopping_criteria)
+    for row, count in zip(rows, kept):
+        record(row, generation_config, processed[row.index, None], raw[row.index, None], count)
+        if not row.done and drafts_ever:
+            seen = visible[row.index].to(input_ids.device)
+            context = torch.cat([input_ids[row.index][seen][1:], row.sequence[-1:]])
+            row.generator.queue(features[row.index][visible[row.index]], context, first_position=1)
+    if streamer is not None:
+        streamer.put(rows[0].sequence[-1:].cpu())
+    live, visible = _retire(rows, cache, visible)
+    accept = sample_accept if generation_config.do_sample else None
 
-    while not done:
-        # draft
+    while live:
+        # draft: every row grows its own tree, all with the step's budget
         if auto_budget is not None:
+            auto_budget.set_batch_size(len(live))
             budget = auto_budget.next_budget(drafter.config.auto_budget_explore_interval)
         else:
-            budget = generator.tree_budget
+            budget = generators[0].tree_budget
         largest = auto_budget.largest if auto_budget is not None else budget
-        tree, drafting_seconds = _draft(generator, input_ids[0, left_padding:], budget, largest, model.device)
-        if auto_budget is not None:  # verify only the part of this tree that pays for its nodes
-            tree = auto_budget.worth_verifying(tree, drafted=budget > 0)
+        drafted = [_draft(row.generator, row.committed, budget, largest, device) for row in live]
+        trees = [tree for tree, _ in drafted]
+        if auto_budget is not None:  # verify only the part of each tree that pays for its nodes
+            trees = [auto_budget.worth_verifying(tree, drafted=budget > 0) for tree in trees]
+        batch = TreeBatch.pad(trees)
         # verify
-        sync(model.device)
+        sync(device)
         target_start = time.perf_counter()
         past_length = cache.get_seq_length()
-        result = verify_tree(model, tree, cache, prefix_visible, next_position, feature_layers)
-        processed = tree_processor(input_ids, result.logits.clone(), tree)
+        positions = torch.tensor([row.next_position for row in live])
+        result = verify_trees(model, batch, cache, visible, positions, feature_layers)
+        processed = result.logits
+        if len(logits_processor):
+            processed = processed.clone()
+            for i, (row, tree) in enumerate(zip(live, trees)):
+                processed[i, : len(tree)] = tree_processor(row.sequence[None], result.logits[i, : len(tree)], tree,
+                                                           row.index)  # fmt: skip
         # accept
-        path, bonus = accept(tree, processed)
-        keep = torch.cat([path.new_zeros(1), path])  # root + accepted nodes
+        if accept is None:
+            kept, bonus = greedy_accept_rows(batch, processed)
+        else:
+            paths = [accept(tree, processed[i, : len(tree)]) for i, tree in enumerate(trees)]
+            kept = [[0] + path.tolist() for path, _ in paths]
+            bonus = torch.cat([b for _, b in paths])
         # compact
-        compact_cache(cache, past_length, keep)
-        sync(model.device)
+        holds = compact_cache(cache, past_length, kept)
+        visible = torch.cat([visible, holds.to(device)], dim=1)
+        sync(device)
         stats.target_time_s += time.perf_counter() - target_start
-        if budget > 0 or generator.free_candidates is not None:
-            generator.record_verified(tree, path)
-        if adapter is not None and budget > 0:  # the verified rows teach the drafter (no extra target forward)
-            adapter.capture(generator, tree, path, bonus, result.logits)
-        if auto_budget is not None and budget > 0:
-            auto_budget.observe(tree, path, drafting_seconds, budget=budget)
-        elif auto_budget is not None and auto_budget.free_at_zero:
-            auto_budget.observe_free(tree, path)
-        new_tokens = torch.cat([tree.tokens[path], bonus.to(tree.tokens.device)]).to(input_ids.device)
-        prefix_visible = torch.cat([prefix_visible, prefix_visible.new_ones(keep.numel())])
-        next_position += keep.numel()
-        stats.iterations += 1
-        stats.nodes_per_iteration.append(tree.num_drafted)
-        stats.accepted_per_iteration.append(new_tokens.numel())
-        input_ids, kept, done = _commit(input_ids, new_tokens, stopping_criteria, processed[keep], streamer)
-        outputs.record(processed[keep], result.logits[keep], kept)
-        # observe: queue the accepted positions' target features for the drafter's next draft
-        if not done and drafts_ever:
-            generator.queue(result.features[keep], new_tokens, first_position=next_position - keep.numel() + 1)
+        stats.target_forwards += 1
+        new_tokens, keeps = [], []
+        for i, (row, tree, (_, drafting_seconds)) in enumerate(zip(live, trees, drafted)):
+            keep = torch.tensor(kept[i], device=tree.tokens.device)  # root + accepted nodes
+            path = keep[1:]
+            row.hidden += holds.shape[1] - keep.numel()
+            if budget > 0 or row.generator.free_candidates is not None:
+                row.generator.record_verified(tree, path)
+            if adapter is not None and budget > 0:  # the verified rows teach the drafter (no extra target forward)
+                adapter.capture(row.generator, tree, path, bonus[i : i + 1], result.logits[i, : len(tree)])
+            if auto_budget is not None and budget > 0:
+                auto_budget.observe(tree, path, drafting_seconds, budget=budget)
+            elif auto_budget is not None and auto_budget.free_at_zero:
+                auto_budget.observe_free(tree, path)
+            new_tokens.append(torch.cat([tree.tokens[path], bonus[i : i + 1].to(tree.tokens.device)]))
+            keeps.append(keep)
+            stats.nodes_per_iteration.append(tree.num_drafted)
+            stats.accepted_per_iteration.append(keep.numel())
+        stats.iterations += len(live)
+        counts = commit(live, new_tokens, [processed[i, keep] for i, keep in enumerate(keeps)], stopping_criteria)
+        for i, (row, keep, tokens, count) in enumerate(zip(live, keeps, new_tokens, counts)):
+            record(row, generation_config, processed[i, keep], result.logits[i, keep], count)
+            row.next_position += keep.numel()
+            # observe: queue the accepted positions' target features for the drafter's next draft
+            if not row.done and drafts_ever:
+                row.generator.queue(result.features[i, keep], tokens, first_position=row.next_position - keep.numel() + 1)
+        if streamer is not None:
+            streamer.put(live[0].sequence[-counts[0] :].cpu())
+        live, visible = _retire(live, cache, visible)
 
     if streamer is not None:
         streamer.end()
-    stats.new_tokens = input_ids.shape[1] - prompt_length
-    stats.drafter_forwards = generator.stats.drafter_forwards
-    stats.drafter_time_s = generator.stats.drafter_time_s
-    stats.accepted_by_source = dict(generator.stats.accepted_by_source)
+    stats.new_tokens = sum(row.sequence.numel() for row in rows) - len(rows) * input_ids.shape[1]
+    stats.drafter_forwards = sum(g.stats.drafter_forwards for g in generators)
+    stats.drafter_time_s = sum(g.stats.drafter_time_s for g in generators)
+    stats.accepted_by_source = {
+        source: sum(g.stats.accepted_by_source[source] for g in generators) for source in generators[0].stats.accepted_by_source
+    }
     if adapter is not None:  # update after the call's last token, timed inside the call
         report = adapter.finish_call(stats.new_tokens, time.perf_counter() - started, stats.tau)
         stats.adaptation_action, stats.adaptation_time_s = report.action, report.update_time_s
@@ -228,7 +280,28 @@ def tree_speculative_decoding(
         stats.adaptation_candidate_gain, stats.adaptation_promoted = report.candidate_gain, report.promoted
     stats.total_time_s = time.perf_counter() - started
     drafter.last_stats = stats
-    return outputs.result(input_ids, cache)
+    # a batch's cache holds rows that left and holes: only a single row's cache can be decoded on from
+    return batch_output(rows, generation_config, cache if len(rows) == 1 else None)
+
+
+def _retire(live: list[Row], cache: DynamicCache, visible: torch.BoolTensor) -> tuple[list[Row], torch.BoolTensor]:
+    """Rows that finished leave the batch (the target cache keeps the live rows only); then the cache columns every
+    live row hides are dropped once they are a quarter of the cache (`repack_cache`)."""
+    staying = [i for i, row in enumerate(live) if not row.done]
+    if len(staying) < len(live) and staying:
+        index = torch.tensor(staying, device=visible.device)
+        cache.batch_select_indices(index)
+        visible = visible[index]
+        live = [live[i] for i in staying]
+    elif not staying:
+        return [], visible
+    if len(live) > 1 or live[0].hidden:
+        drop = min(row.hidden for row in live)
+        if drop >= max(REPACK_MIN_HOLES, visible.shape[1] // 4):
+            visible = repack_cache(cache, visible, drop)
+            for row in live:
+                row.hidden -= drop
+    return live, visible
 
 
 def _draft(
@@ -249,55 +322,3 @@ def _draft(
     generator.read_queued()
     tree = generator.draft_tree(sequence)
     return tree, (generator.stats.drafter_time_s - before if steady else None)
-
-
-def _commit(
-    input_ids: torch.LongTensor,
-    new_tokens: torch.LongTensor,
-    stopping_criteria: StoppingCriteriaList,
-    processed: torch.Tensor,
-    streamer: BaseStreamer | None,
-) -> tuple[torch.LongTensor, int, bool]:
-    """Append accepted tokens one at a time, stopping at the first one a stopping criterion fires on.
-
-    Returns the extended sequence, how many tokens were kept and whether generation is done.
-    """
-    start = input_ids.shape[1]
-    extended = torch.cat([input_ids, new_tokens[None]], dim=1)
-    kept, done = new_tokens.numel(), False
-    for i in range(new_tokens.numel()):
-        if bool(stopping_criteria(extended[:, : start + i + 1], processed[i : i + 1]).any()):
-            kept, done = i + 1, True
-            break
-    extended = extended[:, : start + kept]
-    if streamer is not None:
-        streamer.put(extended[0, start:].cpu())
-    return extended, kept, done
-
-
-class _Outputs:
-    """What `return_dict_in_generate` asks for: one [1, V] processed score / raw logit entry per committed token."""
-
-    def __init__(self, generation_config: GenerationConfig) -> None:
-        self.as_dict = generation_config.return_dict_in_generate
-        self.want_scores = self.as_dict and generation_config.output_scores
-        self.want_logits = self.as_dict and generation_config.output_logits
-        self.scores: tuple[torch.Tensor, ...] = ()
-        self.logits: tuple[torch.Tensor, ...] = ()
-
-    def record(self, processed: torch.Tensor, raw: torch.Tensor, count: int) -> None:
-        """Keep the first `count` rows of this step's [n, V] processed scores and raw logits."""
-        if self.want_scores:
-            self.scores += tuple(processed[i : i + 1] for i in range(count))
-        if self.want_logits:
-            self.logits += tuple(raw[i : i + 1] for i in range(count))
-
-    def result(self, sequences: torch.LongTensor, cache: DynamicCache) -> GenerateDecoderOnlyOutput | torch.LongTensor:
-        if not self.as_dict:
-            return sequences
-        return GenerateDecoderOnlyOutput(
-            sequences=sequences,
-            scores=self.scores if self.want_scores else None,
-            logits=self.logits if self.want_logits else None,
-            past_key_values=cache,
-        )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import functools
 from typing import Any
 
@@ -56,6 +57,9 @@ def _validate_generation_mode(
                 f"SpecBlock drafting works with greedy decoding and sampling, not '{generation_mode}' "
                 f"(num_beams={generation_config.num_beams}). Set num_beams=1, or drop assistant_model."
             )
+        if generation_config.num_return_sequences > 1:  # generate expands the batch; the tree loop decodes it
+            generation_config = copy.copy(generation_config)
+            generation_config.num_return_sequences = 1
     _STOCK_VALIDATE_GENERATION_MODE(self, generation_mode, generation_config, generation_mode_kwargs)
 
 
@@ -97,8 +101,6 @@ def _custom_decoding(
     """`custom_generate` callable: generate() prepared everything but dropped the streamer, so put the prompt here."""
     if generation_config.num_beams > 1:
         raise ValueError("SpecBlock drafting works with greedy decoding and sampling only: set num_beams=1.")
-    if generation_config.num_return_sequences > 1:
-        raise ValueError("num_return_sequences must be 1 with SpecBlock decoding.")
     if streamer is not None:
         streamer.put(input_ids.cpu())
     return tree_speculative_decoding(

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 from transformers.generation import logits_process as lp
@@ -38,8 +40,8 @@ class TreeLogitsProcessor(LogitsProcessor):
 
     Nodes of equal depth share a prefix length, so row-wise processors (`ROW_WISE_PROCESSORS`: penalties, n-gram
     bans, minimum lengths, warpers) see them as one batch. Any other processor, e.g. `PrefixConstrainedLogitsProcessor`
-    (which passes the row index as `batch_id`) or a user's own, is called once per node with a one-row batch, so
-    row 0 is always the user's row. Processors that keep state between calls (`STATEFUL_PROCESSORS`) are refused.
+    (which passes the row index as `batch_id`) or a user's own, is called once per node, as the row of the user's
+    batch that node belongs to. Processors that keep state between calls (`STATEFUL_PROCESSORS`) are refused.
     """
 
     def __init__(self, processors: LogitsProcessorList) -> None:
@@ -52,8 +54,11 @@ class TreeLogitsProcessor(LogitsProcessor):
             )
         self.processors = processors
 
-    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor, tree: DraftTree) -> torch.FloatTensor:
-        """input_ids: [1, S] committed tokens (ending with the root); scores: [N+1, V] raw logits per node."""
+    def __call__(
+        self, input_ids: torch.LongTensor, scores: torch.FloatTensor, tree: DraftTree, row: int = 0
+    ) -> torch.FloatTensor:
+        """input_ids: [1, S] one row's committed tokens (ending with the root); scores: [N+1, V] raw logits per node;
+        row: that row's index in the user's batch (what a per-row processor sees as its `batch_id`)."""
         if len(self.processors) == 0:
             return scores
         paths = tree.path_tokens().to(input_ids.device)
@@ -61,14 +66,29 @@ class TreeLogitsProcessor(LogitsProcessor):
         for depth in range(tree.max_depth + 1):
             rows = (tree.depths == depth).nonzero().squeeze(1).to(scores.device)
             prefix = torch.cat([input_ids.expand(rows.numel(), -1), paths[rows, :depth]], dim=1)
-            processed[rows] = self._apply(prefix, scores[rows].clone())
+            processed[rows] = self._apply(prefix, scores[rows].clone(), row)
         return processed
 
-    def _apply(self, prefix: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
-        """Run the processors in order on [R, S+d] prefixes and their [R, V] scores."""
+    def _apply(self, prefix: torch.LongTensor, scores: torch.FloatTensor, row: int) -> torch.FloatTensor:
+        """Run the processors in order on [R, S+d] prefixes and their [R, V] scores; a per-row processor sees each
+        node as the last row of a batch of `row + 1` copies, so its row index is the user's."""
         for processor in self.processors:
             if isinstance(processor, ROW_WISE_PROCESSORS):
-                scores = processor(prefix, scores)
+                scores = _for_row(processor, row, prefix.shape[0])(prefix, scores)
             else:
-                scores = torch.cat([processor(prefix[i : i + 1], scores[i : i + 1]) for i in range(scores.shape[0])])
+                scores = torch.cat([
+                    processor(prefix[i : i + 1].expand(row + 1, -1), scores[i : i + 1].expand(row + 1, -1).clone())[-1:]
+                    for i in range(scores.shape[0])
+                ])  # fmt: skip
         return scores
+
+
+def _for_row(processor: LogitsProcessor, row: int, count: int) -> LogitsProcessor:
+    """`processor` for `count` nodes of the user's row `row`: the repetition penalty's per-row prompt lengths
+    (`prompt_ignore_length`, the rows' left padding) are that row's, once per node."""
+    ignore = getattr(processor, "prompt_ignore_length", None)
+    if not isinstance(processor, lp.RepetitionPenaltyLogitsProcessor) or not isinstance(ignore, torch.Tensor):
+        return processor
+    one_row = copy.copy(processor)
+    one_row.prompt_ignore_length = ignore[row].repeat(count)
+    return one_row

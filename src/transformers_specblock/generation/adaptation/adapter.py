@@ -109,11 +109,13 @@ class OnlineAdapter:
         return self.drafter.config.online_adaptation
 
     # ---------------------------------------------------------------------------------------------------------
-    def start_call(self, generator: TreeCandidateGenerator) -> None:
-        """Ask the generator to keep what the signal needs; settings may have changed since the last call."""
+    def start_call(self, generators: list[TreeCandidateGenerator]) -> None:
+        """Ask the generators (one per row) to keep what the signal needs; settings may have changed since the
+        last call."""
         config = self.drafter.config
-        generator.keep_producers = True
-        generator.context_size = config.adaptation_context
+        for generator in generators:
+            generator.keep_producers = True
+            generator.context_size = config.adaptation_context
         self.buffer.resize(config.adaptation_buffer_size)
         if self.to_draft.device != self.drafter.d2t.device:
             self.to_draft = self.to_draft.to(self.drafter.d2t.device)

@@ -1,0 +1,103 @@
+"""The rows of a batch: what each sequence committed, when it stops, and the outputs put back in the user's order."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch
+from transformers import DynamicCache, GenerationConfig, StoppingCriteriaList
+from transformers.generation import GenerateDecoderOnlyOutput
+
+from .candidate_generators import TreeCandidateGenerator
+
+
+@dataclass
+class Row:
+    """One sequence of the batch.
+
+    index: its row in the user's batch; sequence: [T] its (left-padded) prompt and committed tokens; left_padding:
+    where its text starts (what the free candidates read); next_position: the rotary position of its next token;
+    hidden: target cache columns it does not see (its left padding, the holes of ragged acceptance);
+    scores / logits: one processed / raw [V] row per committed token (`return_dict_in_generate`).
+    """
+
+    index: int
+    sequence: torch.LongTensor
+    left_padding: int
+    next_position: int
+    generator: TreeCandidateGenerator
+    hidden: int = 0
+    done: bool = False
+    scores: list[torch.Tensor] = field(default_factory=list)
+    logits: list[torch.Tensor] = field(default_factory=list)
+
+    @property
+    def committed(self) -> torch.LongTensor:
+        """[T'] the prompt's tokens and the committed ones, padding excluded."""
+        return self.sequence[self.left_padding :]
+
+
+def commit(
+    rows: list[Row],
+    new_tokens: list[torch.LongTensor],
+    processed: list[torch.Tensor],
+    stopping_criteria: StoppingCriteriaList,
+) -> list[int]:
+    """Append each row's accepted tokens [n_r], stopping a row at the first token a stopping criterion fires on
+    (the criteria see [g, T] sequences: rows of equal length are asked together, one host read per group).
+    processed: each row's [n_r, V] scores. Returns how many tokens each row kept; sets `Row.done`."""
+    extended = [torch.cat([row.sequence, new.to(row.sequence.device)]) for row, new in zip(rows, new_tokens)]
+    kept = [new.numel() for new in new_tokens]
+    for i in range(max(kept, default=0)):
+        groups: defaultdict[int, list[int]] = defaultdict(list)
+        for r, row in enumerate(rows):
+            if i < kept[r]:
+                groups[row.sequence.numel() + i + 1].append(r)
+        for length, members in groups.items():
+            ids = torch.stack([extended[r][:length] for r in members])
+            scores = torch.stack([processed[r][i] for r in members])
+            for r, stop in zip(members, stopping_criteria(ids, scores).tolist()):
+                if stop:
+                    kept[r], rows[r].done = i + 1, True
+    for row, sequence, count in zip(rows, extended, kept):
+        row.sequence = sequence[: row.sequence.numel() + count]
+    return kept
+
+
+def record(row: Row, generation_config: GenerationConfig, processed: torch.Tensor, raw: torch.Tensor, count: int):
+    """Keep the first `count` rows of this step's [n, V] processed scores and raw logits where they are asked for."""
+    if generation_config.return_dict_in_generate and generation_config.output_scores:
+        row.scores += list(processed[:count])
+    if generation_config.return_dict_in_generate and generation_config.output_logits:
+        row.logits += list(raw[:count])
+
+
+def batch_output(
+    rows: list[Row], generation_config: GenerationConfig, cache: DynamicCache | None
+) -> GenerateDecoderOnlyOutput | torch.LongTensor:
+    """The rows' sequences in the user's order, padded as transformers pads finished rows (`pad_token_id`, else
+    the EOS token, else 0); with `return_dict_in_generate`, one [B, V] score / logit entry per generated position
+    (zeros for rows that had already finished)."""
+    rows = sorted(rows, key=lambda row: row.index)
+    length = max(row.sequence.numel() for row in rows)
+    pad = generation_config._pad_token_tensor
+    pad = int(pad.reshape(-1)[0]) if pad is not None else 0
+    sequences = torch.stack([torch.nn.functional.pad(row.sequence, (0, length - row.sequence.numel()), value=pad)
+                             for row in rows])  # fmt: skip
+    if not generation_config.return_dict_in_generate:
+        return sequences
+    return GenerateDecoderOnlyOutput(
+        sequences=sequences,
+        scores=_per_position([row.scores for row in rows]) if generation_config.output_scores else None,
+        logits=_per_position([row.logits for row in rows]) if generation_config.output_logits else None,
+        past_key_values=cache,
+    )
+
+
+def _per_position(per_row: list[list[torch.Tensor]]) -> tuple[torch.Tensor, ...]:
+    """Each row's [V] entries -> one [B, V] tensor per generated position."""
+    steps = max(len(entries) for entries in per_row)
+    reference = next(entries[0] for entries in per_row if entries)
+    blank = torch.zeros_like(reference)
+    return tuple(torch.stack([e[t] if t < len(e) else blank for e in per_row]) for t in range(steps))
