@@ -179,11 +179,28 @@ def _generate(target: PreTrainedModel, inputs, method: Method, max_new_tokens: i
         )
 
 
-def _encode(tokenizer: PreTrainedTokenizerBase, row: dict[str, Any], device: torch.device):
-    text = row.get("text") or tokenizer.apply_chat_template(
-        [{"role": "user", "content": row["prompt"]}], tokenize=False, add_generation_prompt=True
-    )
-    return tokenizer(text, return_tensors="pt", add_special_tokens=False).to(device)
+def _encode(tokenizer: PreTrainedTokenizerBase, rows: list[dict[str, Any]], device: torch.device):
+    """The prompts of `rows` as one left-padded batch (`padding_side` is restored afterwards)."""
+    texts = [
+        row.get("text") or tokenizer.apply_chat_template(
+            [{"role": "user", "content": row["prompt"]}], tokenize=False, add_generation_prompt=True
+        )
+        for row in rows
+    ]  # fmt: skip
+    side, tokenizer.padding_side = tokenizer.padding_side, "left"
+    try:
+        return tokenizer(texts, return_tensors="pt", add_special_tokens=False, padding=True).to(device)
+    finally:
+        tokenizer.padding_side = side
+
+
+def _new_tokens(out: torch.LongTensor, prompt_len: int, eos: set[int]) -> list[list[int]]:
+    """Each row's generated tokens, up to and including its first EOS (a finished row's padding dropped)."""
+    rows = []
+    for tokens in out[:, prompt_len:].tolist():
+        end = next((i + 1 for i, token in enumerate(tokens) if token in eos), len(tokens))
+        rows.append(tokens[:end])
+    return rows
 
 
 def run_benchmark(
@@ -197,9 +214,14 @@ def run_benchmark(
     output_dir: str | Path | None = None,
     warmup_tokens: int = 32,
     measure_near_ties: bool = True,
+    batch_size: int = 1,
     **generate_kwargs: Any,
 ) -> BenchmarkResults:
     """Run the reference and every method on each prompt (interleaved); resumable through `output_dir`.
+
+    `batch_size` > 1: the prompts are grouped into left-padded batches in their order, each batch a unit of the
+    interleaving (its row counts all the batch's new tokens); a method that refuses batches (transformers' prompt
+    lookup and assisted generation) is recorded in `settings["refused"]` with its error.
 
     Before timing, every method generates `warmup_tokens` untimed tokens from the first prompt: kernels, allocator
     and one-off measurements (`tree_budget="auto"` times the target once per model and device) are paid there.
@@ -211,29 +233,44 @@ def run_benchmark(
     """
     settings = {"max_new_tokens": max_new_tokens, "do_sample": do_sample, "seed": seed, **generate_kwargs}
     settings |= {"methods": [REFERENCE] + [m.name for m in methods], "num_prompts": len(prompts)}
-    measured = measure_near_ties and not do_sample and target.dtype in FLOAT_DTYPES
+    settings |= {"batch_size": batch_size, "refused": {}}
+    measured = measure_near_ties and not do_sample and target.dtype in FLOAT_DTYPES and batch_size == 1
     settings["near_tie_gap"] = NEAR_TIE_GAP if measured else None  # the largest float32 gap counted as a near-tie
     results = BenchmarkResults(settings=settings)
     log = Path(output_dir, "per_prompt.jsonl") if output_dir is not None else None
     if log is not None and log.exists():
         results.prompts = [PromptResult(**json.loads(line)) for line in log.read_text().splitlines() if line]
     done = {(r.prompt_id, r.method) for r in results.prompts}
+    groups = [[prompts[i] for i in range(start, min(start + batch_size, len(prompts)))]
+              for start in range(0, len(prompts), batch_size)]  # fmt: skip
+    generate_kwargs = {"pad_token_id": tokenizer.pad_token_id or tokenizer.eos_token_id, **generate_kwargs}
+    eos = set(_as_list(target.generation_config.eos_token_id))
     all_methods = [Method(REFERENCE), *methods]
-    remaining = len(done) < len(prompts) * len(all_methods)
+    if batch_size > 1:  # transformers' own assisted paths refuse batches: say so instead of timing them
+        inputs = _encode(tokenizer, groups[0], target.device)
+        for method in methods:
+            try:
+                _generate(target, inputs, method, 1, do_sample, generate_kwargs)
+            except ValueError as error:
+                settings["refused"][method.name] = str(error)
+        all_methods = [m for m in all_methods if m.name not in settings["refused"]]
+    remaining = len(done) < len(groups) * len(all_methods)
     float32_target = float32_copy(target) if measured and remaining else None  # the target itself if float32
     if warmup_tokens and remaining:
-        inputs = _encode(tokenizer, prompts[0], target.device)
+        inputs = _encode(tokenizer, groups[0], target.device)
         for method in tqdm(all_methods, desc="warm-up"):
             torch.manual_seed(seed)
             _generate(target, inputs, method, warmup_tokens, do_sample, generate_kwargs)
-    for row in tqdm(prompts, desc="benchmark prompts"):
-        prompt_id = str(row["id"])
+    for group in tqdm(groups, desc="benchmark prompts" if batch_size == 1 else "benchmark batches"):
+        prompt_id = "+".join(str(row["id"]) for row in group)
         if all((prompt_id, m.name) in done for m in all_methods):
             continue
         results.prompts = [r for r in results.prompts if r.prompt_id != prompt_id]  # redo a half-done prompt
-        inputs = _encode(tokenizer, row, target.device)
+        inputs = _encode(tokenizer, group, target.device)
         prompt_len = inputs["input_ids"].shape[1]
-        reference: list[int] | None = None
+        categories = {row["category"] for row in group}
+        category = categories.pop() if len(categories) == 1 else "mixed"
+        reference: list[list[int]] | None = None
         new_rows = []
         for method in all_methods:
             torch.manual_seed(seed)
@@ -245,14 +282,14 @@ def run_benchmark(
                 start = time.perf_counter()
                 out = _generate(target, inputs, method, max_new_tokens, do_sample, generate_kwargs)
                 seconds = time.perf_counter() - start
-            tokens = out[0, prompt_len:].tolist()
+            tokens = _new_tokens(out, prompt_len, eos)
             reference = tokens if method.name == REFERENCE else reference
             stats = drafter.last_stats if isinstance(drafter, TreeDraftModel) else None
             result = PromptResult(
                 method=method.name,
                 prompt_id=prompt_id,
-                category=row["category"],
-                new_tokens=len(tokens),
+                category=category,
+                new_tokens=sum(len(row_tokens) for row_tokens in tokens),
                 seconds=seconds,
                 identical_to_reference=None if do_sample else tokens == reference,
                 tau=stats.tau if stats else None,
@@ -265,7 +302,7 @@ def run_benchmark(
                 target_calls=target_calls[0],
             )
             if float32_target is not None and tokens != reference:  # untimed: after the peak memory is read
-                divergence = first_divergence(float32_target, inputs["input_ids"], reference, tokens)
+                divergence = first_divergence(float32_target, inputs["input_ids"], reference[0], tokens[0])
                 result.divergence_position, result.fp32_gap = divergence.position, divergence.fp32_gap
                 if not divergence.is_near_tie():
                     logger.warning(
@@ -278,6 +315,10 @@ def run_benchmark(
             with log.open("a") as sink:
                 sink.writelines(json.dumps(asdict(r)) + "\n" for r in new_rows)
     return results
+
+
+def _as_list(ids: int | list[int] | None) -> list[int]:
+    return [] if ids is None else [ids] if isinstance(ids, int) else list(ids)
 
 
 def write_report(results: BenchmarkResults, output_dir: str | Path) -> None:
@@ -303,6 +344,8 @@ def markdown_tables(payload: dict[str, Any]) -> str:
         lines += [f"left_greedy: greedy outputs that differ from plain `generate`; max_fp32_gap: the largest float32 "
                   "logit gap between the two tokens where they first differ (a near-tie, round-off in 16-bit, up to "
                   f"{payload['settings']['near_tie_gap']}).", ""]  # fmt: skip
+    for method, error in payload["settings"].get("refused", {}).items():
+        lines += [f"{method}: refused at batch size {payload['settings']['batch_size']} ({error})", ""]
     for title, block in [("all prompts", payload["methods"])] + list(payload["per_category"].items()):
         lines += [f"### {title}", "", "| method | " + " | ".join(columns) + " |", "|---" * (len(columns) + 1) + "|"]
         for method, row in block.items():

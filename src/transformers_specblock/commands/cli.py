@@ -118,6 +118,9 @@ class BenchArguments:
         default=None, metadata={"help": 'Override the drafters\' tree budget (an int or "auto").'}
     )
     warmup_tokens: int = field(default=32, metadata={"help": "Untimed tokens per method before timing starts."})
+    batch_size: int = field(
+        default=1, metadata={"help": "Prompts per generate call (left-padded batches, grouped in prompt order)."}
+    )
     do_sample: bool = field(default=False)
     temperature: float = field(default=1.0)
     seed: int = field(default=0)
@@ -257,7 +260,7 @@ def bench_main(argv: Sequence[str] | None = None) -> None:
     results = run_benchmark(
         target, tokenizer, prompts, methods, max_new_tokens=args.max_new_tokens, do_sample=args.do_sample,
         seed=args.seed, output_dir=args.output_dir, warmup_tokens=args.warmup_tokens,
-        measure_near_ties=args.near_ties, **sampling,
+        measure_near_ties=args.near_ties, batch_size=args.batch_size, **sampling,
     )  # fmt: skip
     results.settings |= {"target_model": args.target_model, "dataset": args.dataset}
     results.settings |= {"device": str(target.device), "dtype": str(target.dtype).removeprefix("torch.")}

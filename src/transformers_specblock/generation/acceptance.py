@@ -16,6 +16,8 @@ def greedy_accept_rows(trees: TreeBatch, processed: torch.Tensor) -> tuple[list[
     read for the whole batch) and the bonus tokens [B] (the target's pick after each row's last kept node).
     """
     choice = processed.argmax(-1).to(trees.tokens.device)  # [B, N+1] target's pick after each node
+    if trees.size == 1:  # roots alone: nothing to accept, the pick is the bonus
+        return [[0]] * trees.tokens.shape[0], choice[:, 0]
     matches = (trees.tokens == choice.gather(1, trees.parents.clamp(min=0))) & trees.real
     matches[:, 0] = True
     on_path = ~(trees.ancestors & ~matches[:, None, :]).any(-1)  # [B, N+1]: every ancestor matched

@@ -6,6 +6,8 @@ import torch
 from transformers import DynamicCache, GenerationConfig, PreTrainedModel
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
+from .tree_batch import kept_index
+
 
 def compact_cache(cache: DynamicCache, past_length: int, kept: list[list[int]]) -> torch.BoolTensor:
     """Keep each row's tree entries `kept[row]` (node ids, root first) right after the first `past_length` entries,
@@ -17,8 +19,7 @@ def compact_cache(cache: DynamicCache, past_length: int, kept: list[list[int]]) 
     """
     width = max(len(nodes) for nodes in kept)
     if any(nodes != list(range(width)) for nodes in kept):
-        padded = [nodes + nodes[-1:] * (width - len(nodes)) for nodes in kept]  # holes repeat the row's last entry
-        index = past_length + torch.tensor(padded, device=cache.layers[0].keys.device)  # [B, K]
+        index = past_length + kept_index(kept, cache.layers[0].keys.device)  # [B, K]: holes repeat the row's last entry
         for layer in _full_attention_layers(cache):
             idx = index.to(layer.keys.device)[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[3])
             layer.keys[:, :, past_length : past_length + width] = layer.keys.gather(2, idx)

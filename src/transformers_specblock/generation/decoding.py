@@ -31,7 +31,7 @@ from .candidate_generators import TreeCandidateGenerator, get_candidate_generato
 from .logits_process import TreeLogitsProcessor
 from .rows import Row, batch_output, commit, record
 from .tree import DraftTree
-from .tree_batch import TreeBatch
+from .tree_batch import TreeBatch, kept_index
 from .verification import target_features, verify_trees
 
 REPACK_MIN_HOLES = 16  # cache columns every row hides before they are dropped (and at least a quarter of the cache)
@@ -234,31 +234,36 @@ def tree_speculative_decoding(
         sync(device)
         stats.target_time_s += time.perf_counter() - target_start
         stats.target_forwards += 1
-        new_tokens, keeps = [], []
-        for i, (row, tree, (_, drafting_seconds)) in enumerate(zip(live, trees, drafted)):
-            keep = torch.tensor(kept[i], device=tree.tokens.device)  # root + accepted nodes
-            path = keep[1:]
-            row.hidden += holds.shape[1] - keep.numel()
-            if budget > 0 or row.generator.free_candidates is not None:
+        # every row's kept nodes as one [B, K] index (root first; a shorter row repeats its last node)
+        index = kept_index(kept, batch.tokens.device)
+        lengths = [len(nodes) for nodes in kept]
+        last = torch.tensor(lengths, device=index.device)[:, None] - 1
+        new_tokens = torch.cat([batch.tokens.gather(1, index)[:, 1:], bonus[:, None]], 1).scatter_(1, last, bonus[:, None])
+        rows_index = index.to(processed.device)[..., None].expand(-1, -1, processed.shape[-1])
+        kept_scores = processed.gather(1, rows_index)  # [B, K, V]
+        kept_raw = result.logits.gather(1, rows_index) if generation_config.output_logits else kept_scores
+        if budget > 0 or any(row.generator.free_candidates is not None for row in live):
+            for i, (row, tree, (_, drafting_seconds)) in enumerate(zip(live, trees, drafted)):
+                path = index[i, 1 : lengths[i]]
                 row.generator.record_verified(tree, path)
-            if adapter is not None and budget > 0:  # the verified rows teach the drafter (no extra target forward)
-                adapter.capture(row.generator, tree, path, bonus[i : i + 1], result.logits[i, : len(tree)])
-            if auto_budget is not None and budget > 0:
-                auto_budget.observe(tree, path, drafting_seconds, budget=budget)
-            elif auto_budget is not None and auto_budget.free_at_zero:
-                auto_budget.observe_free(tree, path)
-            new_tokens.append(torch.cat([tree.tokens[path], bonus[i : i + 1].to(tree.tokens.device)]))
-            keeps.append(keep)
-            stats.nodes_per_iteration.append(tree.num_drafted)
-            stats.accepted_per_iteration.append(keep.numel())
+                if adapter is not None and budget > 0:  # the verified rows teach the drafter (no extra target forward)
+                    adapter.capture(row.generator, tree, path, bonus[i : i + 1], result.logits[i, : len(tree)])
+                if auto_budget is not None and budget > 0:
+                    auto_budget.observe(tree, path, drafting_seconds, budget=budget)
+                elif auto_budget is not None and auto_budget.free_at_zero:
+                    auto_budget.observe_free(tree, path)
         stats.iterations += len(live)
-        counts = commit(live, new_tokens, [processed[i, keep] for i, keep in enumerate(keeps)], stopping_criteria)
-        for i, (row, keep, tokens, count) in enumerate(zip(live, keeps, new_tokens, counts)):
-            record(row, generation_config, processed[i, keep], result.logits[i, keep], count)
-            row.next_position += keep.numel()
+        stats.nodes_per_iteration += [tree.num_drafted for tree in trees]
+        stats.accepted_per_iteration += lengths
+        for row, n in zip(live, lengths):
+            row.hidden += holds.shape[1] - n
+        counts = commit(live, [new_tokens[i, :n] for i, n in enumerate(lengths)], list(kept_scores), stopping_criteria)
+        for i, (row, n, count) in enumerate(zip(live, lengths, counts)):
+            record(row, generation_config, kept_scores[i], kept_raw[i], count)
+            row.next_position += n
             # observe: queue the accepted positions' target features for the drafter's next draft
             if not row.done and drafts_ever:
-                row.generator.queue(result.features[i, keep], tokens, first_position=row.next_position - keep.numel() + 1)
+                row.generator.queue(result.features[i, index[i, :n]], new_tokens[i, :n], first_position=row.next_position - n + 1)
         if streamer is not None:
             streamer.put(live[0].sequence[-counts[0] :].cpu())
         live, visible = _retire(live, cache, visible)

@@ -43,6 +43,10 @@ class TreeBatch:
                        trees)  # fmt: skip
         size = max(len(tree) for tree in trees)
         device = trees[0].tokens.device
+        if size == 1:  # roots alone: a plain batched step
+            ones = torch.ones(len(trees), 1, dtype=torch.bool, device=device)
+            tokens = torch.stack([tree.tokens for tree in trees])
+            return cls(tokens, torch.full_like(tokens, -1), torch.zeros_like(tokens), ones[:, :, None], ones, trees)
         tokens = torch.stack([tree.tokens[:1].expand(size) for tree in trees]).clone()
         parents = torch.full((len(trees), size), -1, dtype=torch.long, device=device)
         depths = torch.zeros(len(trees), size, dtype=torch.long, device=device)
@@ -65,3 +69,9 @@ class TreeBatch:
         [B, S]) and its own ancestors, itself included."""
         prefix = prefix_visible.to(self.tokens.device)[:, None, :].expand(-1, self.size, -1)
         return additive_mask(torch.cat([prefix, self.ancestors], dim=2), dtype)[:, None]
+
+
+def kept_index(kept: list[list[int]], device: torch.device | str = "cpu") -> torch.LongTensor:
+    """[B, K] each row's kept nodes (K = the longest row; a shorter row repeats its last node)."""
+    width = max(len(nodes) for nodes in kept)
+    return torch.tensor([nodes + nodes[-1:] * (width - len(nodes)) for nodes in kept], device=device)
