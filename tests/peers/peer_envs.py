@@ -53,10 +53,19 @@ PEERS: dict[str, Peer] = {
         Peer(
             name="speculators",
             package="speculators==0.9.0",
-            # its pins: torch<=2.14.1 (2.13.0 taken), transformers<=5.19.0 (the newest allowed, pinned exactly)
-            resolved=("speculators==0.9.0", "transformers==5.19.0"),
-            probe="import speculators, speculators.convert, speculators.models.eagle3",
-            note="all of its pins honoured (torch 2.13.0 satisfies torch<=2.14.1)",
+            # its pins: torch<=2.14.1 (2.13.0 taken), transformers<=5.19.0 (the newest allowed, pinned exactly) and
+            # its other requirements as it states them, except torchvision / torchaudio: the registry's wheels are
+            # CUDA builds that fail against the CPU torch (and break `import transformers`); it imports neither
+            resolved=(
+                "transformers==5.19.0", "aiohttp", "click", "datasets>=4.0.0,<=5.1.0", "httpx", "huggingface-hub",
+                "loguru>=0.7.2,<=0.7.3", "numpy>=2.0.0,<=2.5.4", "openai>=2.0.0", "protobuf", "psutil",
+                "pydantic>=2.0.0", "pydantic-settings>=2.0.0", "rich", "safetensors", "tqdm>=4.66.3,<=4.70.1",
+                "typer>=0.12.0", "hs-connectors==0.9.0",
+            ),
+            no_deps=("speculators==0.9.0",),
+            probe="import speculators, speculators.convert.entrypoints, speculators.models.eagle3",
+            note="its pins honoured (torch 2.13.0 satisfies torch<=2.14.1) except torchvision / torchaudio, left out: "
+            "the registry's CUDA wheels break against the CPU torch and speculators imports neither",
         ),
         Peer(
             name="specforge",
@@ -110,7 +119,12 @@ def unavailable_reason(root: Path, name: str) -> str | None:
 
 
 def _pip(python: Path, *args: str) -> None:
-    subprocess.run([str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check", *args], check=True)
+    done = subprocess.run(
+        [str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check", *args], capture_output=True, text=True
+    )
+    if done.returncode != 0:
+        sys.stderr.write(done.stdout + done.stderr)
+        raise subprocess.CalledProcessError(done.returncode, done.args)
 
 
 def registry_reachable(peer: Peer) -> str | None:
@@ -146,7 +160,7 @@ def build(root: Path, peer: Peer) -> str:
     _pip(python, "-c", str(constraints), *peer.resolved)
     if peer.no_deps:
         _pip(python, "--no-deps", *peer.no_deps)
-    subprocess.run([str(python), "-c", peer.probe], check=True)
+    subprocess.run([str(python), "-W", "ignore", "-c", peer.probe], check=True)
     marker(root, peer.name).write_text(peer.spec_hash() + "\n")
     return "built"
 
