@@ -111,6 +111,9 @@ def test_safeailab_checkpoint_converted_by_speculators_loads_strictly_and_decode
     folder, target = saved_target
     native = drafter_for(target, target_layer_ids=[2, 4, 5])  # SafeAILab names no ids: the default
     write_published(tmp_path / "eagle", native, "eagle")
+    config = json.loads((tmp_path / "eagle" / "config.json").read_text())
+    config.pop("head_dim")  # as EAGLE's own configs (write_published adds one that EAGLE ignores: speculators reads it)
+    (tmp_path / "eagle" / "config.json").write_text(json.dumps(config))
     run_peer("speculators", "speculators_eagle3", checkpoint=tmp_path / "eagle", verifier=folder,
              converted=tmp_path / "converted", convert_only=True)  # fmt: skip
     assert json.loads((tmp_path / "converted" / "config.json").read_text())["speculators_model_type"] == "eagle3"

@@ -181,6 +181,11 @@ def convert_published_eagle3(
     model_class: type, checkpoint: PublishedCheckpoint, target_config: PretrainedConfig, overrides: dict[str, Any]
 ) -> tuple[Eagle3Config, dict[str, torch.Tensor]]:
     """(our config, our state dict) for a published EAGLE-3 checkpoint (see `PublishedCheckpointMixin`)."""
+    embedding, target_embedding = checkpoint.state_dict.get("embed_tokens.weight"), checkpoint.target_embedding
+    if embedding is not None and target_embedding is not None and embedding.shape == target_embedding.shape:
+        if torch.equal(embedding, target_embedding.detach().to(device=embedding.device, dtype=embedding.dtype)):
+            # the target's own embedding, as exports write it (for the engines that need it): read the target's
+            checkpoint.state_dict = {k: v for k, v in checkpoint.state_dict.items() if k != "embed_tokens.weight"}
     has_embedding = "embed_tokens.weight" in checkpoint.state_dict
     source, layout = checkpoint.source, checkpoint.layout
     ours = eagle3_config_from(checkpoint.config, layout, target_config, has_embedding, source, **overrides)
