@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -116,6 +117,21 @@ def unavailable_reason(root: Path, name: str) -> str | None:
     if skipped.exists():
         return f"peer venv {name!r} not built: {skipped.read_text().strip()}"
     return f"peer venv {name!r} not built at {root / name}: run `python3 tests/peers/peer_envs.py` first"
+
+
+def run_worker(root: Path, peer: str, worker: Path, args: dict) -> dict:
+    """Run `worker` (a script) with the peer venv's python and one JSON argument; returns the JSON of its last
+    stdout line. The subprocess sees neither this package nor its PYTHONPATH, and no network hub."""
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    payload = json.dumps({k: str(v) if isinstance(v, Path) else v for k, v in args.items()})
+    done = subprocess.run(
+        [str(venv_python(root, peer)), str(worker), payload],
+        capture_output=True, text=True, env=env, timeout=1800, cwd=worker.parent,
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"{worker.name} in the {peer} venv failed (exit {done.returncode}):\n{done.stderr[-6000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def _pip(python: Path, *args: str) -> None:
