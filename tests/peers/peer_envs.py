@@ -136,7 +136,9 @@ def run_worker(root: Path, peer: str, worker: Path, args: dict) -> dict:
 
 def _pip(python: Path, *args: str) -> None:
     done = subprocess.run(
-        [str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check", *args], capture_output=True, text=True
+        [str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check", *args],
+        capture_output=True,
+        text=True,
     )
     if done.returncode != 0:
         sys.stderr.write(done.stdout + done.stderr)
@@ -183,7 +185,7 @@ def build(root: Path, peer: Peer) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--root", type=Path, default=DEFAULT_ROOT, help=f"where the venvs live (default {DEFAULT_ROOT})")
+    parser.add_argument("--root", type=Path, default=DEFAULT_ROOT, help=f"where the venvs live ({DEFAULT_ROOT})")
     parser.add_argument("--only", nargs="*", choices=sorted(PEERS), help="build only these peers")
     args = parser.parse_args(argv)
     args.root.mkdir(parents=True, exist_ok=True)

@@ -3,9 +3,10 @@
 The model is built as SpecForge's trainer builds it (`AutoDraftModelConfig.from_file` + `AutoDraftModel.from_config`,
 resolving `LlamaForCausalLMEagle3` from `architectures`) and the export's weights loaded into it; its
 `AutoDraftModel.from_pretrained` is run too, for its loading report (under transformers 5.8.1 it leaves the
-rotary cos / sin caches, non-persistent buffers, uninitialised: reported as `from_pretrained_rotary_finite`). Then the training-time-test loop of `specforge.algorithms.eagle3.model.Eagle3Model.forward` on the model's own
-methods: `embed_input_ids`, `project_hidden_states`, `backbone` (with its `cache_hidden`, which adds the step index
-to the positions) and `compute_logits`; after each step the ids shift left (`specforge.utils.padding`).
+rotary cos / sin caches, non-persistent buffers, uninitialised: reported as `from_pretrained_rotary_finite`). Then
+the training-time-test loop of `specforge.algorithms.eagle3.model.Eagle3Model.forward` on the model's own methods:
+`embed_input_ids`, `project_hidden_states`, `backbone` (with its `cache_hidden`, which adds the step index to the
+positions) and `compute_logits`; after each step the ids shift left (`specforge.utils.padding`).
 """
 
 import json
@@ -23,7 +24,7 @@ args = json.loads(sys.argv[1])
 folder = args["checkpoint"]
 loaded, info = AutoDraftModel.from_pretrained(folder, output_loading_info=True, torch_dtype=torch.float32)
 rotary = loaded.midlayer.self_attn.rotary_emb
-from_pretrained_rotary_finite = bool(torch.isfinite(rotary.cos_cached).all() and torch.isfinite(rotary.sin_cached).all())
+from_pretrained_rotary_finite = all(bool(torch.isfinite(t).all()) for t in (rotary.cos_cached, rotary.sin_cached))
 model = AutoDraftModel.from_config(AutoDraftModelConfig.from_file(f"{folder}/config.json")).float().eval()
 missing, unexpected = model.load_state_dict(load_file(f"{folder}/model.safetensors"), strict=False)
 inputs = load_file(args["inputs"])
