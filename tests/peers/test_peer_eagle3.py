@@ -18,6 +18,8 @@ from transformers import LlamaForCausalLM
 from conftest import make_target
 from test_checkpoint_formats import randomize, write_published
 from transformers_specblock import Eagle3DraftModel
+from transformers_specblock.hub import load_packaged_model
+from transformers_specblock.hub.assets import resolve_model_path
 
 pytestmark = [pytest.mark.peers, pytest.mark.usefixtures("one_thread")]
 TTT_STEPS, LENGTH = 3, 10
@@ -51,9 +53,15 @@ def shared_inputs(folder, drafter) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def our_logits(drafter, features, tokens) -> torch.Tensor:
+    """Our training-time-test logits [steps, 1, LENGTH - 1, Vd]; step 0 must also be what decoding computes
+    (`draft_step`, the tree loop's forward, over the committed positions)."""
     with torch.no_grad():
         out = drafter(tokens, features, ttt_steps=TTT_STEPS, return_all_steps=True)
-    return torch.stack(out.all_logits)  # [steps, 1, LENGTH - 1, Vd]
+        positions = torch.arange(1, LENGTH)[None]
+        causal = torch.ones(LENGTH - 1, LENGTH - 1, dtype=torch.bool).tril()[None]
+        decoding = drafter.draft_step(drafter.fuse_features(features[:, :-1]), tokens[:, 1:], positions, causal)
+    torch.testing.assert_close(decoding.logits, out.all_logits[0], rtol=1e-5, atol=1e-5)
+    return torch.stack(out.all_logits)
 
 
 def assert_same_steps(ours: torch.Tensor, theirs: torch.Tensor) -> None:
@@ -131,3 +139,31 @@ def test_safeailab_checkpoint_converted_by_speculators_loads_strictly_and_decode
         with drafter.tree_settings(tree_budget=8):
             assert torch.equal(target.generate(prompt, assistant_model=drafter, do_sample=False, max_new_tokens=24),
                                plain)  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("checkpoint_format", ["eagle3", "speculators"])
+def test_the_shipped_drafter_trained_here_computes_the_same_in_the_peers(checkpoint_format, tmp_path, run_peer):
+    """The shipped EAGLE-3 drafter (trained here for SmolLM2-135M-Instruct), exported, on the real target's features
+    of a real prompt: speculators' and SpecForge's forwards give its logits over three steps."""
+    target, tokenizer = load_packaged_model("smollm2-135m-instruct")
+    drafter = Eagle3DraftModel.from_pretrained("eagle3-smollm2-135m-instruct", target=target)
+    drafter.save_pretrained(tmp_path / "export", checkpoint_format=checkpoint_format)
+    tokens = tokenizer("The three primary colours are red, yellow and blue; mixing them gives", return_tensors="pt").input_ids[:, :LENGTH]
+    assert tokens.shape[1] == LENGTH
+    with torch.no_grad():
+        hidden_states = target(tokens, output_hidden_states=True).hidden_states
+    features = torch.cat([hidden_states[i] for i in drafter.config.target_layer_ids], dim=-1)
+    save_file({"features": features[:, :-1].contiguous(), "input_ids": tokens[:, 1:].contiguous()},
+              tmp_path / "inputs.safetensors")  # fmt: skip
+    ours = our_logits(drafter, features, tokens)
+    files = dict(inputs=tmp_path / "inputs.safetensors", output=tmp_path / "theirs.safetensors", ttt_steps=TTT_STEPS)
+    facts = run_peer("speculators", "speculators_eagle3", checkpoint=tmp_path / "export",
+                     verifier=resolve_model_path("smollm2-135m-instruct"), converted=tmp_path / "converted", **files)
+    if checkpoint_format == "speculators":
+        assert facts["layer_ids_used"] == drafter.config.target_layer_ids
+    assert_same_steps(ours, load_file(tmp_path / "theirs.safetensors")["logits"])
+    if checkpoint_format == "eagle3":
+        facts = run_peer("specforge", "specforge_eagle3", checkpoint=tmp_path / "export", **files)
+        assert facts["missing_keys"] == [] and facts["unexpected_keys"] == []
+        assert_same_steps(ours, load_file(tmp_path / "theirs.safetensors")["logits"])
