@@ -147,12 +147,13 @@ def _pip(python: Path, *args: str) -> None:
 
 def registry_reachable(peer: Peer) -> str | None:
     """None when the registry serves the peer's package, else the reason it could not be fetched."""
+    command = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--disable-pip-version-check",
+               "--retries", "2", "--timeout", "30"]  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:
-        done = subprocess.run(
-            [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--disable-pip-version-check",
-             "-d", tmp, peer.package],
-            capture_output=True, text=True, timeout=300,
-        )
+        try:
+            done = subprocess.run([*command, "-d", tmp, peer.package], capture_output=True, text=True, timeout=300)
+        except subprocess.TimeoutExpired:
+            return f"the package registry did not answer for {peer.package} within 300 s"
     if done.returncode == 0:
         return None
     lines = [line for line in done.stderr.splitlines() if line.strip() and "is ignored" not in line]
