@@ -48,6 +48,7 @@ def test_speculators_format_carries_our_layer_ids_and_round_trips(target, tmp_pa
     config = json.loads((tmp_path / "config.json").read_text())
     assert config["speculators_model_type"] == "eagle3" and config["eagle_aux_hidden_state_layer_ids"] == [1, 3, 4]
     assert (config["fc_norm"], config["norm_before_residual"], config["norm_output"]) == (True, True, False)
+    assert config["speculators_config"]["verifier"]["name_or_path"] is None  # an in-memory target: no name to load
     assert all(key.startswith(("layers.0.", "fc", "norm", "lm_head", "embed", "d2t", "t2d"))
                for key in load_file(tmp_path / "model.safetensors"))  # fmt: skip
     again = Eagle3DraftModel.from_pretrained(tmp_path, target=target)

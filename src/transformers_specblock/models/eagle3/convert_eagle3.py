@@ -274,6 +274,13 @@ def export_eagle3(drafter: Any, folder: str | os.PathLike) -> None:
     write_checkpoint(folder, out, state)
 
 
+def _verifier_name(config: Eagle3Config) -> str | None:
+    """The target as speculators' `verifier.name_or_path` (which it loads): its Hub id, else a local folder, else
+    None (a bare model type would send speculators to the Hub for a repository that does not exist)."""
+    name = getattr(config, "base_model_id", None) or getattr(config, "target_name_or_path", None)
+    return name if name and (getattr(config, "base_model_id", None) or os.path.isdir(name)) else None
+
+
 def export_speculators(drafter: Any, folder: str | os.PathLike) -> None:
     """Write `drafter` in vLLM speculators' own EAGLE-3 format (what `speculators convert` produces and vLLM
     serves), with the captured layers in its top-level `eagle_aux_hidden_state_layer_ids` (HF `hidden_states`
@@ -299,7 +306,7 @@ def export_speculators(drafter: Any, folder: str | os.PathLike) -> None:
             "algorithm": "eagle3",
             "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": min(config.tree_depth + 1, 8)}],
             "default_proposal_method": "greedy",
-            "verifier": {"name_or_path": config.target_name_or_path, "architectures": []},
+            "verifier": {"name_or_path": _verifier_name(config), "architectures": []},
         },
         "torch_dtype": str(drafter.dtype).removeprefix("torch."),
     }
