@@ -90,7 +90,7 @@ def test_speculators_reads_our_export_and_computes_our_logits(checkpoint_format,
     assert_same_steps(our_logits(drafter, features, tokens), load_file(tmp_path / "theirs.safetensors")["logits"])
     if checkpoint_format == "speculators":  # the format vLLM reads: our layer ids are the ones it captures
         assert facts["layer_ids_used"] == LAYER_IDS
-    else:  # its converter reads no layer-id field (only --eagle-aux-hidden-state-layer-ids): its default wins
+    else:  # its converter reads no layer-id field (only its algorithm kwargs): its default wins
         assert facts["layer_ids_in_config"] is None and facts["layer_ids_used"] == [2, 4, 5]
 
 

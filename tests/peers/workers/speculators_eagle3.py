@@ -1,11 +1,13 @@
 """In the speculators venv: read an EAGLE-3 checkpoint as speculators' users do and run its Eagle3 model.
 
-`convert_model(..., algorithm="eagle3")` for a SpecForge / SafeAILab layout (skipped for a checkpoint already in the
-speculators format), then `Eagle3DraftModel.from_pretrained` (which fills what the checkpoint lacks from the
+With `convert_only`: its command line, `speculators convert <folder> --algorithm eagle3 --verifier <target>`, and
+nothing else. Otherwise `convert_model(..., algorithm="eagle3")` (what that command calls) for a SpecForge /
+SafeAILab layout (skipped for a checkpoint already in the speculators format), then `Eagle3DraftModel.from_pretrained` (which fills what the checkpoint lacks from the
 verifier) and its training-time-test forward; the draft logits of every step are captured from `lm_head`.
 """
 
 import json
+import subprocess
 import sys
 
 import torch
@@ -18,12 +20,14 @@ torch.manual_seed(0)
 folder = args["checkpoint"]
 with open(f"{folder}/config.json") as f:
     native = "speculators_model_type" in json.load(f)
+if args.get("convert_only"):
+    command = ["convert", folder, "--algorithm", "eagle3", "--verifier", args["verifier"], "--output-path"]
+    subprocess.run([sys.executable, "-m", "speculators", *command, args["converted"]], check=True)
+    print(json.dumps({"converted": args["converted"]}))
+    sys.exit(0)
 if not native:
     convert_model(model=folder, verifier=args["verifier"], algorithm="eagle3", output_path=args["converted"])
     folder = args["converted"]
-    if args.get("convert_only"):
-        print(json.dumps({"converted": folder}))
-        sys.exit(0)
 config = Eagle3SpeculatorConfig.from_pretrained(folder)
 config.transformer_layer_config._attn_implementation = "eager"  # flex attention is a GPU path
 if native:
