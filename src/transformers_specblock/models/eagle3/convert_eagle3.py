@@ -7,12 +7,15 @@ Read (detected from `config.json`, weights in `model.safetensors` or `pytorch_mo
 * ``"specforge"``: SpecForge / SGLang ``LlamaForCausalLMEagle3`` (also vLLM's ``Eagle3LlamaForCausalLM``); head_dim
   from the config when present; optional `fc_norm`, `norm_output`.
 * ``"speculators"``: vLLM speculators (`speculators_model_type` "eagle3", a nested `transformer_layer_config`,
-  top-level `norm_before_residual`, `target_hidden_size`, `eagle_aux_hidden_state_layer_ids`).
+  top-level `norm_before_residual`, `target_hidden_size`, `eagle_aux_hidden_state_layer_ids`, `fc_norm`; its
+  `norm_output` / `norm_before_fc`, which this drafter does not compute, are refused).
 
 Keys: `fc.weight`, `midlayer.*` (or `layers.0.*`), `norm.weight`, `lm_head.weight`, `d2t` (offsets), `t2d`, an
 optional `embed_tokens.weight` (then it is used, as their code does; else the target's) and `fc_norm.{0,1,2}.weight`.
-Write: the SpecForge layout (``LlamaForCausalLMEagle3``), which SGLang and vLLM both load, with both engines'
-layer-id fields.
+Write (checked by running speculators 0.9.0 and SpecForge 0.2.0 on them: tests/peers/): ``"eagle3"``, the SpecForge
+layout (``LlamaForCausalLMEagle3``), which SGLang and vLLM both load, with both engines' layer-id fields; and
+``"speculators"``, vLLM speculators' own format with its layer-id field (its converter reads none from the other
+layouts). Both carry `embed_tokens.weight` (the bound target's unless the drafter has its own).
 """
 
 from __future__ import annotations
