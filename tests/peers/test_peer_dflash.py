@@ -9,7 +9,7 @@ import json
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from transformers_specblock import DFlashDraftModel
@@ -66,3 +66,37 @@ def test_their_drafter_loads_strictly_computes_their_block_and_decodes_like_gree
     assert torch.equal(theirs["generated"], plain)  # their chain loop is lossless on this target too
     tree = target.generate(prompt, assistant_model=drafter, do_sample=False, max_new_tokens=NEW_TOKENS)
     assert torch.equal(tree, plain)
+
+
+def test_speculators_converts_our_dflash_export_and_computes_our_block(saved_qwen3, tmp_path, run_peer):
+    """Our `checkpoint_format="dflash"` export through speculators' DFlash converter (vLLM serves DFlash from its
+    format): the same captured layers (HF `hidden_states` indices) and the same block."""
+    folder, target = saved_qwen3
+    torch.manual_seed(4)
+    drafter = DFlashDraftModel.from_target(
+        target, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=96,
+        block_size=BLOCK, mask_token_id=MASK, tree_budget=8,
+    )  # fmt: skip
+    with torch.no_grad():
+        for name, param in drafter.named_parameters():
+            param.copy_(torch.rand(param.shape) + 0.5 if "norm" in name else torch.randn(param.shape) * 0.15)
+    drafter.save_pretrained(tmp_path / "export", checkpoint_format="dflash")
+    anchor = len(PROMPT) - 1  # the block of the last prompt token: context = the features before it
+    tokens = torch.tensor([PROMPT + [0] * BLOCK])  # speculators anchors only where a whole block follows
+    with torch.no_grad():
+        out = target(tokens, output_hidden_states=True)
+        features = torch.cat([out.hidden_states[i] for i in drafter.config.feature_layers], dim=-1)
+        hidden = drafter(noise_embeds=drafter.embed_block(tokens[:, anchor]),
+                         context_hidden_states=features[:, :anchor]).last_hidden_state  # fmt: skip
+        logits = drafter.draft_logits(hidden)
+    save_file({"features": features.contiguous(), "input_ids": tokens}, tmp_path / "inputs.safetensors")
+    facts = run_peer(
+        "speculators", "speculators_dflash", checkpoint=tmp_path / "export", verifier=folder,
+        converted=tmp_path / "converted", inputs=tmp_path / "inputs.safetensors", output=tmp_path / "theirs.safetensors",
+        anchor=anchor,
+    )  # fmt: skip
+    assert facts["aux_hidden_state_layer_ids"] == drafter.config.feature_layers
+    assert (facts["block_size"], facts["mask_token_id"]) == (BLOCK, MASK)
+    theirs = load_file(tmp_path / "theirs.safetensors")
+    torch.testing.assert_close(hidden, theirs["hidden"], **TOLERANCE)
+    torch.testing.assert_close(logits, theirs["logits"], **TOLERANCE)
