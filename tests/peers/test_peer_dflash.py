@@ -92,8 +92,8 @@ def test_speculators_converts_our_dflash_export_and_computes_our_block(saved_qwe
     save_file({"features": features.contiguous(), "input_ids": tokens}, tmp_path / "inputs.safetensors")
     facts = run_peer(
         "speculators", "speculators_dflash", checkpoint=tmp_path / "export", verifier=folder,
-        converted=tmp_path / "converted", inputs=tmp_path / "inputs.safetensors", output=tmp_path / "theirs.safetensors",
-        anchor=anchor,
+        converted=tmp_path / "converted", inputs=tmp_path / "inputs.safetensors",
+        output=tmp_path / "theirs.safetensors", anchor=anchor,
     )  # fmt: skip
     assert facts["aux_hidden_state_layer_ids"] == drafter.config.feature_layers
     assert (facts["block_size"], facts["mask_token_id"]) == (BLOCK, MASK)

@@ -149,7 +149,8 @@ def test_the_shipped_drafter_trained_here_computes_the_same_in_the_peers(checkpo
     target, tokenizer = load_packaged_model("smollm2-135m-instruct")
     drafter = Eagle3DraftModel.from_pretrained("eagle3-smollm2-135m-instruct", target=target)
     drafter.save_pretrained(tmp_path / "export", checkpoint_format=checkpoint_format)
-    tokens = tokenizer("The three primary colours are red, yellow and blue; mixing them gives", return_tensors="pt").input_ids[:, :LENGTH]
+    text = "The three primary colours are red, yellow and blue; mixing them gives"
+    tokens = tokenizer(text, return_tensors="pt").input_ids[:, :LENGTH]
     assert tokens.shape[1] == LENGTH
     with torch.no_grad():
         hidden_states = target(tokens, output_hidden_states=True).hidden_states

@@ -2,8 +2,9 @@
 
 With `convert_only`: its command line, `speculators convert <folder> --algorithm eagle3 --verifier <target>`, and
 nothing else. Otherwise `convert_model(..., algorithm="eagle3")` (what that command calls) for a SpecForge /
-SafeAILab layout (skipped for a checkpoint already in the speculators format), then `Eagle3DraftModel.from_pretrained` (which fills what the checkpoint lacks from the
-verifier) and its training-time-test forward; the draft logits of every step are captured from `lm_head`.
+SafeAILab layout (skipped for a checkpoint already in the speculators format), then
+`Eagle3DraftModel.from_pretrained` (which fills what the checkpoint lacks from the verifier) and its
+training-time-test forward; the draft logits of every step are captured from `lm_head`.
 """
 
 import json
