@@ -2,12 +2,14 @@
 
     # a published EAGLE-3 (EAGLE / SpecForge / vLLM speculators), SpecBlock reference or DFlash checkpoint -> ours
     specblock-convert --to native --target meta-llama/Llama-3.1-8B-Instruct yuhuili/EAGLE3-LLaMA3.1-Instruct-8B out/
-    # a drafter trained here -> SGLang / vLLM (EAGLE-3) or the SpecBlock reference layout
-    specblock-convert --to eagle3 out/eagle3-drafter out/eagle3-for-sglang
+    # a drafter trained here -> SGLang / vLLM (EAGLE-3; the export carries the target's embedding) or the reference
+    specblock-convert --to eagle3 --target meta-llama/Llama-3.1-8B-Instruct out/eagle3-drafter out/eagle3-for-sglang
+    specblock-convert --to speculators --target meta-llama/Llama-3.1-8B-Instruct out/eagle3-drafter out/for-vllm
     specblock-convert --to specblock_reference out/specblock-drafter out/specblock-reference
 
 The layout of the input is detected from its `config.json`. A published checkpoint does not describe its target, so
-``--to native`` needs ``--target`` (a packaged name, a local folder or a Hub id; only its config is read). Loading is
+``--to native`` needs ``--target`` (a packaged name, a local folder or a Hub id; only its config is read); so does an
+EAGLE-3 export (``--to eagle3`` / ``speculators``), which writes the target's token embedding. Loading is
 strict and export refuses a drafter the other tool would compute differently: both say what is wrong.
 """
 
@@ -17,7 +19,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from transformers import AutoConfig
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from ..hub.assets import resolve_model_path
 from ..hub.shipped import resolve_drafter_path
@@ -30,6 +32,7 @@ from ..models.tree_drafter.modeling_tree_drafter import TreeDraftModel
 DRAFTER_CLASSES: tuple[type[TreeDraftModel], ...] = (Eagle3DraftModel, SpecBlockDraftModel, DFlashDraftModel)
 NATIVE = "native"
 FORMATS = (NATIVE, *sorted({name for cls in DRAFTER_CLASSES for name in cls.checkpoint_writers}))
+WITH_TARGET_EMBEDDING = ("eagle3", "speculators")  # exports that carry the target's token embedding
 
 
 def drafter_class_for(config: dict) -> type[TreeDraftModel] | None:
@@ -63,6 +66,10 @@ def convert(source: str, output: str, to: str, target: str | None = None) -> Tre
     if to not in cls.checkpoint_writers:
         raise ValueError(f"A {cls.__name__} exports to {sorted(cls.checkpoint_writers)}, not {to!r}.")
     drafter = cls.from_pretrained(path)
+    if to in WITH_TARGET_EMBEDDING:
+        if target is None:
+            raise ValueError(f"--to {to} needs --target: the export carries the target model's token embedding.")
+        drafter.bind_target(AutoModelForCausalLM.from_pretrained(resolve_model_path(target), dtype="auto"), place=False)
     drafter.save_pretrained(output, checkpoint_format=to)
     return drafter
 
@@ -72,7 +79,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("source", help="checkpoint folder, Hub id or shipped drafter name")
     parser.add_argument("output", help="folder to write")
     parser.add_argument("--to", required=True, choices=FORMATS, help="layout to write")
-    parser.add_argument("--target", default=None, help="target model (needed with --to native)")
+    parser.add_argument("--target", default=None, help="target model (needed with --to native, eagle3, speculators)")
     args = parser.parse_args(argv)
     try:
         convert(args.source, args.output, args.to, args.target)

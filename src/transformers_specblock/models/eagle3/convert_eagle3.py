@@ -7,12 +7,15 @@ Read (detected from `config.json`, weights in `model.safetensors` or `pytorch_mo
 * ``"specforge"``: SpecForge / SGLang ``LlamaForCausalLMEagle3`` (also vLLM's ``Eagle3LlamaForCausalLM``); head_dim
   from the config when present; optional `fc_norm`, `norm_output`.
 * ``"speculators"``: vLLM speculators (`speculators_model_type` "eagle3", a nested `transformer_layer_config`,
-  top-level `norm_before_residual`, `target_hidden_size`, `eagle_aux_hidden_state_layer_ids`).
+  top-level `norm_before_residual`, `target_hidden_size`, `eagle_aux_hidden_state_layer_ids`, `fc_norm`; its
+  `norm_output` / `norm_before_fc`, which this drafter does not compute, are refused).
 
 Keys: `fc.weight`, `midlayer.*` (or `layers.0.*`), `norm.weight`, `lm_head.weight`, `d2t` (offsets), `t2d`, an
 optional `embed_tokens.weight` (then it is used, as their code does; else the target's) and `fc_norm.{0,1,2}.weight`.
-Write: the SpecForge layout (``LlamaForCausalLMEagle3``), which SGLang and vLLM both load, with both engines'
-layer-id fields.
+Write (checked by running speculators 0.9.0 and SpecForge 0.2.0 on them: tests/peers/): ``"eagle3"``, the SpecForge
+layout (``LlamaForCausalLMEagle3``), which SGLang and vLLM both load, with both engines' layer-id fields; and
+``"speculators"``, vLLM speculators' own format with its layer-id field (its converter reads none from the other
+layouts). Both carry `embed_tokens.weight` (the bound target's unless the drafter has its own).
 """
 
 from __future__ import annotations
@@ -41,6 +44,10 @@ from ..tree_drafter.configuration_tree_drafter import default_target_layer_ids
 from .configuration_eagle3 import Eagle3Config
 
 LAYOUTS = ("eagle", "specforge", "speculators")
+SPECULATORS_FIELDS = (  # top-level fields of speculators' Eagle3SpeculatorConfig (0.9.0) besides the layer config
+    "draft_vocab_size", "target_hidden_size", "norm_before_residual", "eagle_aux_hidden_state_layer_ids",
+    "norm_before_fc", "fc_norm", "norm_output",
+)
 SPECFORGE_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
 EXPORT_ARCHITECTURE = "LlamaForCausalLMEagle3"
 
@@ -62,9 +69,27 @@ def detect_eagle3_layout(config: dict[str, Any]) -> str | None:
 def _flatten(config: dict[str, Any]) -> dict[str, Any]:
     """A speculators config's decoder settings lifted to the top level (the EAGLE-3 fields stay)."""
     layer = dict(config.get("transformer_layer_config") or {})
-    extra = ("draft_vocab_size", "target_hidden_size", "norm_before_residual", "eagle_aux_hidden_state_layer_ids")
-    layer.update({name: config[name] for name in extra if config.get(name) is not None})
+    layer.update({name: config[name] for name in SPECULATORS_FIELDS if config.get(name) is not None})
     return layer
+
+
+def _speculators_norms(config: dict[str, Any], source: str) -> dict[str, bool]:
+    """Our norm settings for speculators' top-level norm fields, refusing the ones this drafter cannot compute.
+
+    speculators (models/eagle3/core.py): `norm_output: true` feeds the NORMED output to the next step ("Eagle 3.1"),
+    where ours and SpecForge's feed the pre-norm output (its logits always read the final norm: our
+    `norm_output=True`); `norm_before_fc` is one RMSNorm over the concatenated features (`input_norm.weight`);
+    `fc_norm` is one RMSNorm per feature, as ours."""
+    for name, meaning in (
+        ("norm_output", "feeds the normed output to the next draft step"),
+        ("norm_before_fc", "normalises the concatenated target features with one RMSNorm before fc"),
+    ):
+        if config.get(name):
+            raise ValueError(
+                f"{source}: speculators' {name}=true ({meaning}) is not implemented by this package's EAGLE-3 drafter, "
+                "which would compute something else; it is refused rather than loaded wrongly."
+            )
+    return {"fc_norm": bool(config.get("fc_norm", False)), "norm_output": True}
 
 
 def eagle3_config_from(
@@ -76,8 +101,10 @@ def eagle3_config_from(
     **overrides: Any,
 ) -> Eagle3Config:
     """Our `Eagle3Config` for a published EAGLE-3 `config.json` and the target it drafts for."""
+    norms = {"fc_norm": bool(config.get("fc_norm", False)), "norm_output": bool(config.get("norm_output", True))}
     if layout == "speculators":
         config = _flatten(config)
+        norms = _speculators_norms(config, source)
     require_fields(config, source)
     text = target_config.get_text_config()
     hidden, heads = config["hidden_size"], config["num_attention_heads"]
@@ -116,8 +143,7 @@ def eagle3_config_from(
         draft_vocab_size=config.get("draft_vocab_size") or config["vocab_size"],
         own_token_embedding=has_embedding,
         norm_before_residual=bool(config.get("norm_before_residual", False)),
-        fc_norm=bool(config.get("fc_norm", False)),
-        norm_output=bool(config.get("norm_output", True)),
+        **norms,
         pad_token_id=text.pad_token_id,
         bos_token_id=text.bos_token_id,
         eos_token_id=text.eos_token_id,
@@ -158,6 +184,11 @@ def convert_published_eagle3(
     model_class: type, checkpoint: PublishedCheckpoint, target_config: PretrainedConfig, overrides: dict[str, Any]
 ) -> tuple[Eagle3Config, dict[str, torch.Tensor]]:
     """(our config, our state dict) for a published EAGLE-3 checkpoint (see `PublishedCheckpointMixin`)."""
+    embedding, target_embedding = checkpoint.state_dict.get("embed_tokens.weight"), checkpoint.target_embedding
+    if embedding is not None and target_embedding is not None and embedding.shape == target_embedding.shape:
+        if torch.equal(embedding, target_embedding.detach().to(device=embedding.device, dtype=embedding.dtype)):
+            # the target's own embedding, as exports write it (for the engines that need it): read the target's
+            checkpoint.state_dict = {k: v for k, v in checkpoint.state_dict.items() if k != "embed_tokens.weight"}
     has_embedding = "embed_tokens.weight" in checkpoint.state_dict
     source, layout = checkpoint.source, checkpoint.layout
     ours = eagle3_config_from(checkpoint.config, layout, target_config, has_embedding, source, **overrides)
@@ -165,31 +196,43 @@ def convert_published_eagle3(
     return ours, eagle3_state_dict_from(checkpoint.state_dict, ours, expected, source, layout)
 
 
-def export_eagle3(drafter: Any, folder: str | os.PathLike) -> None:
-    """Write `drafter` (an `Eagle3DraftModel`) in the SpecForge / SGLang layout, loadable by SGLang and vLLM."""
-    config: Eagle3Config = drafter.config
+def _export_problems(config: Eagle3Config, engines: str) -> list[str]:
+    """What an EAGLE-3 engine would compute differently from this drafter (empty: it can be exported)."""
     problems = []
-    if config.fc_norm:
-        problems.append("fc_norm is on (SGLang and vLLM have no fc_norm and would skip its weights)")
-    if config.norm_before_residual:
-        problems.append("norm_before_residual is on (vLLM reads it, SGLang ignores it)")
     if not config.norm_output:
-        problems.append("norm_output is off (SGLang and vLLM always normalise the output before lm_head)")
+        problems.append(f"norm_output is off ({engines} always normalise the output before lm_head)")
     if config.token_embedding_size != config.hidden_size:
         problems.append(
             f"the target's embedding is {config.target_hidden_size} wide, not hidden_size={config.hidden_size} "
             "(EAGLE-3 engines feed an embedding of the drafter's width)"
         )
-    if problems:
-        raise ValueError(f"This EAGLE-3 drafter cannot be exported in the EAGLE-3 layout: {'; '.join(problems)}.")
+    return problems
+
+
+def _export_state(drafter: Any, layer_prefix: str) -> dict[str, torch.Tensor]:
+    """The drafter's weights under the published names, WITH `embed_tokens.weight`: the drafter's own, else the
+    bound target's. speculators (0.9.0) fills a missing embedding from the verifier only over a NaN placeholder that
+    transformers' loader does not leave, so it ran on an all-zero embedding; SpecForge's exporter always writes it;
+    SGLang and vLLM use it or the target's (the same values)."""
     state = {}
     for key, tensor in drafter.state_dict().items():
-        if key in ("d2t", "t2d"):
-            continue
-        state["midlayer." + key[len("layer.") :] if key.startswith("layer.") else key] = tensor
+        if key not in ("d2t", "t2d"):
+            state[layer_prefix + key[len("layer.") :] if key.startswith("layer.") else key] = tensor
+    if "embed_tokens.weight" not in state:
+        embedding = drafter.__dict__.get("_target_embedding")
+        if embedding is None:
+            raise ValueError(
+                "An EAGLE-3 export must hold the token embedding (embed_tokens.weight), which this drafter reads from "
+                "its target: bind it first with `drafter.bind_target(target)` (from_target and generate do)."
+            )
+        state["embed_tokens.weight"] = embedding.weight.detach().to(device="cpu", dtype=drafter.dtype)
     state["d2t"], state["t2d"] = offsets_from_draft_vocab(drafter.d2t), drafter.t2d.bool().cpu()
-    out = {
-        "architectures": [EXPORT_ARCHITECTURE],
+    return state
+
+
+def _llama_fields(drafter: Any) -> dict[str, Any]:
+    config: Eagle3Config = drafter.config
+    return {
         "model_type": "llama",
         "hidden_size": config.hidden_size,
         "intermediate_size": config.intermediate_size,
@@ -203,15 +246,71 @@ def export_eagle3(drafter: Any, folder: str | os.PathLike) -> None:
         "attention_bias": config.attention_bias,
         "mlp_bias": config.mlp_bias,
         "vocab_size": config.vocab_size,
-        "draft_vocab_size": config.draft_vocab_size,
         "tie_word_embeddings": False,
         "torch_dtype": str(drafter.dtype).removeprefix("torch."),
         "bos_token_id": config.bos_token_id,
         "eos_token_id": config.eos_token_id,
         "pad_token_id": config.pad_token_id,
         **rope_fields(config.rope_parameters),
+    }
+
+
+def export_eagle3(drafter: Any, folder: str | os.PathLike) -> None:
+    """Write `drafter` (an `Eagle3DraftModel`) in the SpecForge / SGLang layout, loadable by SGLang and vLLM."""
+    config: Eagle3Config = drafter.config
+    problems = _export_problems(config, "SGLang and vLLM")
+    if config.fc_norm:
+        problems.append("fc_norm is on (SGLang and vLLM have no fc_norm and would skip its weights)")
+    if config.norm_before_residual:
+        problems.append("norm_before_residual is on (vLLM reads it, SGLang ignores it)")
+    if problems:
+        raise ValueError(f"This EAGLE-3 drafter cannot be exported in the EAGLE-3 layout: {'; '.join(problems)}.")
+    state = _export_state(drafter, "midlayer.")
+    out = {
+        "architectures": [EXPORT_ARCHITECTURE],
+        **_llama_fields(drafter),
+        "draft_vocab_size": config.draft_vocab_size,
         **layer_id_fields(config.target_layer_ids),
     }
     if config.target_hidden_size != config.hidden_size:  # EAGLE reads it as "do not load the target's embedding"
         out["target_hidden_size"] = config.target_hidden_size
     write_checkpoint(folder, out, state)
+
+
+def _verifier_name(config: Eagle3Config) -> str | None:
+    """The target as speculators' `verifier.name_or_path` (which it loads): its Hub id, else a local folder, else
+    None (a bare model type would send speculators to the Hub for a repository that does not exist)."""
+    name = getattr(config, "base_model_id", None) or getattr(config, "target_name_or_path", None)
+    return name if name and (getattr(config, "base_model_id", None) or os.path.isdir(name)) else None
+
+
+def export_speculators(drafter: Any, folder: str | os.PathLike) -> None:
+    """Write `drafter` in vLLM speculators' own EAGLE-3 format (what `speculators convert` produces and vLLM
+    serves), with the captured layers in its top-level `eagle_aux_hidden_state_layer_ids` (HF `hidden_states`
+    indices), which its converter would otherwise set to its default."""
+    config: Eagle3Config = drafter.config
+    problems = _export_problems(config, "speculators and vLLM")
+    if problems:
+        raise ValueError(f"This EAGLE-3 drafter cannot be exported in the speculators format: {'; '.join(problems)}.")
+    layer_ids_in_range = layer_id_fields(config.target_layer_ids)  # refuses hidden_states[0], as for SGLang
+    out = {
+        "architectures": ["Eagle3Speculator"],
+        "speculators_model_type": "eagle3",
+        "transformer_layer_config": {**_llama_fields(drafter), "architectures": ["LlamaForCausalLM"]},
+        "draft_vocab_size": config.draft_vocab_size,
+        "norm_before_residual": config.norm_before_residual,
+        "norm_before_fc": False,
+        "fc_norm": config.fc_norm,
+        "norm_output": False,  # speculators' meaning: the next step reads the PRE-norm output (as ours)
+        "embed_requires_grad": False,
+        "target_hidden_size": config.target_hidden_size,
+        "eagle_aux_hidden_state_layer_ids": layer_ids_in_range["eagle_aux_hidden_state_layer_ids"],
+        "speculators_config": {
+            "algorithm": "eagle3",
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": min(config.tree_depth + 1, 8)}],
+            "default_proposal_method": "greedy",
+            "verifier": {"name_or_path": _verifier_name(config), "architectures": []},
+        },
+        "torch_dtype": str(drafter.dtype).removeprefix("torch."),
+    }
+    write_checkpoint(folder, out, _export_state(drafter, "layers.0."))

@@ -35,7 +35,7 @@ from ...utils import additive_mask
 from ..tree_drafter.checkpoint_io import PublishedCheckpointMixin
 from ..tree_drafter.modeling_tree_drafter import TreeDraftModel
 from .configuration_eagle3 import Eagle3Config
-from .convert_eagle3 import convert_published_eagle3, detect_eagle3_layout, export_eagle3
+from .convert_eagle3 import convert_published_eagle3, detect_eagle3_layout, export_eagle3, export_speculators
 
 __all__ = [
     "Eagle3Attention",
@@ -176,7 +176,7 @@ class Eagle3PreTrainedModel(PublishedCheckpointMixin, TreeDraftModel):
     # published EAGLE-3 layouts (EAGLE, SpecForge / SGLang, vLLM speculators) in and out: see `convert_eagle3`
     detect_published_layout = staticmethod(detect_eagle3_layout)
     convert_published = staticmethod(convert_published_eagle3)
-    checkpoint_writers = {"eagle3": export_eagle3}
+    checkpoint_writers = {"eagle3": export_eagle3, "speculators": export_speculators}
     config: Eagle3Config
     base_model_prefix = "eagle3"
     supports_gradient_checkpointing = False

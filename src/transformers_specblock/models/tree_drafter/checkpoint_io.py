@@ -314,6 +314,7 @@ class PublishedCheckpoint:
     config: dict[str, Any]
     state_dict: dict[str, torch.Tensor]
     hub_kwargs: dict[str, Any]
+    target_embedding: torch.Tensor | None = None  # the target's input embedding weight, when `target` is given
 
 
 class PublishedCheckpointMixin:
@@ -372,6 +373,8 @@ class PublishedCheckpointMixin:
             )
         state_dict, filename = read_state_dict(path, hub_kwargs)
         checkpoint = PublishedCheckpoint(path, f"{path} ({filename})", layout, config_dict, state_dict, hub_kwargs)
+        if target is not None:
+            checkpoint.target_embedding = target.get_input_embeddings().weight
         config, ours = cls.convert_published(cls, checkpoint, target_config, rest)
         config.target_name_or_path = getattr(target_config, "_name_or_path", None) or config.target_model_type
         model = cls(config)
