@@ -215,3 +215,21 @@ def test_sampling_and_opt_out_measure_no_gaps(monkeypatch):
     sampled = run_benchmark(target, tokenizer, prompts.select(range(2)), [penalised], max_new_tokens=8,
                             warmup_tokens=0, do_sample=True, top_k=None, top_p=None)  # fmt: skip
     assert sampled.summary()["penalised"]["left_greedy"] is None
+
+
+def test_batched_benchmark_groups_prompts_and_names_refused_methods(tmp_path):
+    target, tokenizer, prompts, methods, _ = tiny_setup()
+    tokenizer.eos_token = "x"  # the letter tokenizer has no pad token: batches pad with the EOS token
+    results = run_benchmark(target, tokenizer, prompts, methods, max_new_tokens=8, batch_size=2, output_dir=tmp_path)
+    refused = results.settings["refused"]
+    assert set(refused) == {"prompt_lookup", "assisted"}  # transformers' own assisted paths refuse batches
+    assert "batch_size = 1" in refused["assisted"]
+    summary = results.summary()
+    assert set(summary) == {"plain", "specblock", "specblock_fixed_tree", "specblock_one_block", "eagle3"}
+    for name, row in summary.items():
+        assert row["identical_to_reference"], name  # every row of every batch equals plain batched generate
+        assert row["num_prompts"] == 2  # two batches of two prompts
+    assert {r.prompt_id for r in results.prompts} == {"p0+p1", "p2+p3"}
+    assert all(r.new_tokens == 2 * 8 for r in results.prompts)
+    write_report(results, tmp_path)
+    assert "prompt_lookup: refused at batch size 2" in (tmp_path / "results.md").read_text()

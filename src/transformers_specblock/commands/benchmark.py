@@ -180,18 +180,22 @@ def _generate(target: PreTrainedModel, inputs, method: Method, max_new_tokens: i
 
 
 def _encode(tokenizer: PreTrainedTokenizerBase, rows: list[dict[str, Any]], device: torch.device):
-    """The prompts of `rows` as one left-padded batch (`padding_side` is restored afterwards)."""
+    """The prompts of `rows` as one left-padded batch (padded with the EOS token where the tokenizer has no pad
+    token; its padding settings are restored afterwards)."""
     texts = [
         row.get("text") or tokenizer.apply_chat_template(
             [{"role": "user", "content": row["prompt"]}], tokenize=False, add_generation_prompt=True
         )
         for row in rows
     ]  # fmt: skip
-    side, tokenizer.padding_side = tokenizer.padding_side, "left"
+    if len(texts) == 1:
+        return tokenizer(texts, return_tensors="pt", add_special_tokens=False).to(device)
+    side, pad = tokenizer.padding_side, tokenizer.pad_token
+    tokenizer.padding_side, tokenizer.pad_token = "left", pad or tokenizer.eos_token
     try:
         return tokenizer(texts, return_tensors="pt", add_special_tokens=False, padding=True).to(device)
     finally:
-        tokenizer.padding_side = side
+        tokenizer.padding_side, tokenizer.pad_token = side, pad
 
 
 def _new_tokens(out: torch.LongTensor, prompt_len: int, eos: set[int]) -> list[list[int]]:

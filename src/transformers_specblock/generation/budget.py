@@ -198,11 +198,15 @@ class AutoBudget:
         return self.ladder[-1]
 
     def set_batch_size(self, live_rows: int) -> None:
-        """Choose for `live_rows` rows verified together: their bucket's cost curve, drafting paid per row."""
+        """Choose for `live_rows` rows verified together: their bucket's cost curve, drafting paid per row. The first
+        batch measures every bucket up to its own (rows leave a batch as they finish: no timing mid-call)."""
         self.batch_size = live_rows
         bucket = batch_bucket(live_rows)
         if self.measure is not None and bucket not in self.batch_costs:
-            self.batch_costs[bucket] = self.cost if bucket == 1 else self.measure(bucket)
+            self.batch_costs.setdefault(1, self.cost)
+            for smaller in (1 << i for i in range(1, bucket.bit_length())):
+                if smaller not in self.batch_costs:
+                    self.batch_costs[smaller] = self.measure(smaller)
         if bucket in self.batch_costs:
             self.cost = self.batch_costs[bucket]
 

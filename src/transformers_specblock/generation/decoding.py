@@ -156,12 +156,12 @@ def tree_speculative_decoding(
         adapter.start_call(generators)
     auto_budget = auto_budget_for(drafter, model) if drafter.config.tree_budget == AUTO else None
     cache = full_attention_cache(model, model_kwargs["past_key_values"], generation_config, generators[0].tree_budget)
-    feature_layers = drafter.config.feature_layers if generators[0].reads_features else []
+    # the drafter reads committed positions lazily, right before it drafts (none at all while "auto" chooses 0)
+    drafts_ever = auto_budget is None or auto_budget.largest > 0
+    feature_layers = drafter.config.feature_layers if generators[0].reads_features and drafts_ever else []
     tree_processor = TreeLogitsProcessor(logits_processor)  # refuses stateful processors before any forward
     stats = SpecBlockStats()
     started = time.perf_counter()
-    # the drafter reads committed positions lazily, right before it drafts (none at all while "auto" chooses 0)
-    drafts_ever = auto_budget is None or auto_budget.largest > 0
 
     # prefill: the prompts through the target give the first tokens and the drafters' context features
     mask_2d = model_kwargs.get("attention_mask")
