@@ -73,15 +73,12 @@ def test_drafter_for_another_target(target, route, name, other, drafter_value, t
 # Unsupported generation settings
 # -------------------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("route", ROUTES)
-def test_batch_larger_than_one(target, drafter, route):
-    with pytest.raises(ValueError, match=r"batch size 1.*\b2\b"):
-        run(route, target, drafter, PROMPT.repeat(2, 1))
-
-
-@pytest.mark.parametrize("route", ROUTES)
-def test_num_return_sequences(target, drafter, route):
-    with pytest.raises(ValueError, match="num_return_sequences"):
-        run(route, target, drafter, do_sample=True, num_return_sequences=2)
+def test_batches_and_several_return_sequences_on_every_route(target, drafter, route):
+    """Batches (and num_return_sequences, which expands the batch) decode on every route, equal to plain."""
+    batch = torch.cat([PROMPT, torch.tensor([[0, 44, 2, 8, 8, 1]])])
+    assert run(route, target, drafter, batch).tolist() == target.generate(batch, max_new_tokens=4).tolist()
+    sampled = run(route, target, drafter, do_sample=True, top_k=1, num_return_sequences=2)
+    assert sampled.tolist() == target.generate(PROMPT, max_new_tokens=4).repeat(2, 1).tolist()
 
 
 @pytest.mark.parametrize("route", ROUTES)

@@ -72,6 +72,19 @@ def test_every_row_equals_plain_batched_generate(one_thread, monkeypatch, name, 
     assert multi >= len(stats.accepted_per_iteration) // 2, stats.accepted_per_iteration
 
 
+@pytest.mark.parametrize("name", ["specblock+lookup", "eagle3"])
+def test_auto_budget_in_a_batch_is_exact(one_thread, name):
+    target = make_target("llama", vocab_size=VOCAB, seed=14)
+    drafter = DRAFTERS[name](target)
+    drafter.config.tree_budget, drafter.config.auto_budget_warmup = "auto", 2
+    ids, mask = left_padded([6, 2, 17, 9], seed=14)
+    for _ in range(2):  # the second call starts from what the first learnt
+        plain, tree = plain_and_tree(target, drafter, ids, mask, max_new_tokens=24)
+        assert tree.tolist() == plain.tolist()
+    chooser = drafter.__dict__["_auto_budget"]
+    assert {1, 2, 4} <= set(chooser.batch_costs)  # every bucket up to the batch's was timed before decoding
+
+
 def test_rows_equal_their_prompt_decoded_alone(one_thread):
     target = make_target("qwen2", vocab_size=VOCAB, seed=3)
     drafter = DRAFTERS["lookup_tree"](target)
