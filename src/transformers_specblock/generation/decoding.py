@@ -24,8 +24,8 @@ from ..models.tree_drafter.configuration_tree_drafter import AUTO
 from ..models.tree_drafter.modeling_tree_drafter import TreeDraftModel
 from ..utils import sync
 from .acceptance import greedy_accept_rows, sample_accept
-from .adaptation import online_adapter_for
-from .budget import auto_budget_for
+from .adaptation import OnlineAdapter, online_adapter_for
+from .budget import AutoBudget, auto_budget_for
 from .cache_utils import compact_cache, full_attention_cache, repack_cache
 from .candidate_generators import TreeCandidateGenerator, get_candidate_generator
 from .logits_process import TreeLogitsProcessor
@@ -149,133 +149,42 @@ def tree_speculative_decoding(
     if synced_gpus:
         raise ValueError("synced_gpus (DeepSpeed ZeRO-3 / FSDP) is not supported with SpecBlock decoding.")
     drafter.bind_target(model)
-    device = model.device
     generators = [get_candidate_generator(drafter) for _ in range(input_ids.shape[0])]
     adapter = online_adapter_for(drafter) if drafter.config.online_adaptation != "off" else None
     if adapter is not None:
         adapter.start_call(generators)
     auto_budget = auto_budget_for(drafter, model) if drafter.config.tree_budget == AUTO else None
-    cache = full_attention_cache(model, model_kwargs["past_key_values"], generation_config, generators[0].tree_budget)
     # the drafter reads committed positions lazily, right before it drafts (none at all while "auto" chooses 0)
     drafts_ever = auto_budget is None or auto_budget.largest > 0
-    feature_layers = drafter.config.feature_layers if generators[0].reads_features and drafts_ever else []
-    tree_processor = TreeLogitsProcessor(logits_processor)  # refuses stateful processors before any forward
-    stats = SpecBlockStats()
+    loop = _Loop(
+        model, generation_config, logits_processor, TreeLogitsProcessor(logits_processor), stopping_criteria,
+        full_attention_cache(model, model_kwargs["past_key_values"], generation_config, generators[0].tree_budget),
+        auto_budget, adapter, drafts_ever,
+        feature_layers=drafter.config.feature_layers if generators[0].reads_features and drafts_ever else [],
+    )  # fmt: skip
     started = time.perf_counter()
 
-    # prefill: the prompts through the target give the first tokens and the drafters' context features
-    mask_2d = model_kwargs.get("attention_mask")
-    visible = (mask_2d.bool() if mask_2d is not None else torch.ones_like(input_ids, dtype=torch.bool)).to(device)
-    prompt = model(
-        input_ids=input_ids.to(device),
-        attention_mask=mask_2d,
-        position_ids=(visible.long().cumsum(-1) - 1).masked_fill(~visible, 1),  # as transformers' generate
-        past_key_values=cache,
-        use_cache=True,
-        output_hidden_states=feature_layers or False,
-        logits_to_keep=1,
-    )
-    raw = prompt.logits[:, -1].float()
-    processed = logits_processor(input_ids, raw.clone())
-    first = torch.multinomial(processed.softmax(-1), 1)[:, 0] if generation_config.do_sample else processed.argmax(-1)
-    features = target_features(prompt, feature_layers, tuple(input_ids.shape), device)
-    lengths = visible.sum(1).tolist()
-    rows = [
-        Row(r, input_ids[r], input_ids.shape[1] - n, n, generator, hidden=input_ids.shape[1] - n)
-        for r, (n, generator) in enumerate(zip(lengths, generators))
-    ]
-    kept = commit(rows, list(first.to(input_ids.device)[:, None]), list(processed[:, None]), stopping_criteria)
-    for row, count in zip(rows, kept):
-        record(row, generation_config, processed[row.index, None], raw[row.index, None], count)
-        if not row.done and drafts_ever:
-            seen = visible[row.index].to(input_ids.device)
-            context = torch.cat([input_ids[row.index][seen][1:], row.sequence[-1:]])
-            row.generator.queue(features[row.index][visible[row.index]], context, first_position=1)
+    rows, visible = loop.prefill(input_ids, model_kwargs.get("attention_mask"), generators)
     if streamer is not None:
         streamer.put(rows[0].sequence[-1:].cpu())
-    live, visible = _retire(rows, cache, visible)
-    accept = sample_accept if generation_config.do_sample else None
-
+    live, visible = _retire(rows, loop.cache, visible)
     while live:
-        # draft: every row grows its own tree, all with the step's budget
-        if auto_budget is not None:
-            auto_budget.set_batch_size(len(live))
-            budget = auto_budget.next_budget(drafter.config.auto_budget_explore_interval)
-        else:
-            budget = generators[0].tree_budget
-        largest = auto_budget.largest if auto_budget is not None else budget
-        drafted = [_draft(row.generator, row.committed, budget, largest, device) for row in live]
-        trees = [tree for tree, _ in drafted]
-        if auto_budget is not None:  # verify only the part of each tree that pays for its nodes
-            trees = [auto_budget.worth_verifying(tree, drafted=budget > 0) for tree in trees]
-        batch = TreeBatch.pad(trees)
-        # verify
-        sync(device)
-        target_start = time.perf_counter()
-        past_length = cache.get_seq_length()
-        positions = torch.tensor([row.next_position for row in live])
-        result = verify_trees(model, batch, cache, visible, positions, feature_layers)
-        processed = result.logits
-        if len(logits_processor):
-            processed = processed.clone()
-            for i, (row, tree) in enumerate(zip(live, trees)):
-                processed[i, : len(tree)] = tree_processor(row.sequence[None], result.logits[i, : len(tree)], tree,
-                                                           row.index)  # fmt: skip
-        # accept
-        if accept is None:
-            kept, bonus = greedy_accept_rows(batch, processed)
-        else:
-            paths = [accept(tree, processed[i, : len(tree)]) for i, tree in enumerate(trees)]
-            kept = [[0] + path.tolist() for path, _ in paths]
-            bonus = torch.cat([b for _, b in paths])
-        # compact
-        holds = compact_cache(cache, past_length, kept)
-        visible = torch.cat([visible, holds.to(device)], dim=1)
-        sync(device)
-        stats.target_time_s += time.perf_counter() - target_start
-        stats.target_forwards += 1
-        # every row's kept nodes as one [B, K] index (root first; a shorter row repeats its last node)
-        index = kept_index(kept, batch.tokens.device)
-        lengths = [len(nodes) for nodes in kept]
-        last = torch.tensor(lengths, device=index.device)[:, None] - 1
-        new_tokens = torch.cat([batch.tokens.gather(1, index)[:, 1:], bonus[:, None]], 1).scatter_(1, last, bonus[:, None])
-        rows_index = index.to(processed.device)[..., None].expand(-1, -1, processed.shape[-1])
-        kept_scores = processed.gather(1, rows_index)  # [B, K, V]
-        kept_raw = result.logits.gather(1, rows_index) if generation_config.output_logits else kept_scores
-        if budget > 0 or any(row.generator.free_candidates is not None for row in live):
-            for i, (row, tree, (_, drafting_seconds)) in enumerate(zip(live, trees, drafted)):
-                path = index[i, 1 : lengths[i]]
-                row.generator.record_verified(tree, path)
-                if adapter is not None and budget > 0:  # the verified rows teach the drafter (no extra target forward)
-                    adapter.capture(row.generator, tree, path, bonus[i : i + 1], result.logits[i, : len(tree)])
-                if auto_budget is not None and budget > 0:
-                    auto_budget.observe(tree, path, drafting_seconds, budget=budget)
-                elif auto_budget is not None and auto_budget.free_at_zero:
-                    auto_budget.observe_free(tree, path)
-        stats.iterations += len(live)
-        stats.nodes_per_iteration += [tree.num_drafted for tree in trees]
-        stats.accepted_per_iteration += lengths
-        for row, n in zip(live, lengths):
-            row.hidden += holds.shape[1] - n
-        counts = commit(live, [new_tokens[i, :n] for i, n in enumerate(lengths)], list(kept_scores), stopping_criteria)
-        for i, (row, n, count) in enumerate(zip(live, lengths, counts)):
-            record(row, generation_config, kept_scores[i], kept_raw[i], count)
-            row.next_position += n
-            # observe: queue the accepted positions' target features for the drafter's next draft
-            if not row.done and drafts_ever:
-                row.generator.queue(result.features[i, index[i, :n]], new_tokens[i, :n], first_position=row.next_position - n + 1)
+        budget = loop.budget(len(live), generators[0].tree_budget, drafter.config.auto_budget_explore_interval)
+        drafted = [_draft(row.generator, row.committed, budget, loop.largest(budget), model.device) for row in live]
+        visible, counts = loop.step(live, drafted, budget, visible)
         if streamer is not None:
             streamer.put(live[0].sequence[-counts[0] :].cpu())
-        live, visible = _retire(live, cache, visible)
+        live, visible = _retire(live, loop.cache, visible)
 
     if streamer is not None:
         streamer.end()
+    stats = loop.stats
     stats.new_tokens = sum(row.sequence.numel() for row in rows) - len(rows) * input_ids.shape[1]
     stats.drafter_forwards = sum(g.stats.drafter_forwards for g in generators)
     stats.drafter_time_s = sum(g.stats.drafter_time_s for g in generators)
     stats.accepted_by_source = {
         source: sum(g.stats.accepted_by_source[source] for g in generators) for source in generators[0].stats.accepted_by_source
-    }
+    }  # fmt: skip
     if adapter is not None:  # update after the call's last token, timed inside the call
         report = adapter.finish_call(stats.new_tokens, time.perf_counter() - started, stats.tau)
         stats.adaptation_action, stats.adaptation_time_s = report.action, report.update_time_s
@@ -286,7 +195,147 @@ def tree_speculative_decoding(
     stats.total_time_s = time.perf_counter() - started
     drafter.last_stats = stats
     # a batch's cache holds rows that left and holes: only a single row's cache can be decoded on from
-    return batch_output(rows, generation_config, cache if len(rows) == 1 else None)
+    return batch_output(rows, generation_config, loop.cache if len(rows) == 1 else None)
+
+
+@dataclass
+class _Loop:
+    """What every step of one `generate` call shares: the target and its cache, the user's processors and stopping
+    criteria, the budget chooser, online adaptation and the call's statistics."""
+
+    model: PreTrainedModel
+    generation_config: GenerationConfig
+    logits_processor: LogitsProcessorList
+    tree_processor: TreeLogitsProcessor  # refuses stateful processors before any forward
+    stopping_criteria: StoppingCriteriaList
+    cache: DynamicCache
+    auto_budget: AutoBudget | None
+    adapter: OnlineAdapter | None
+    drafts_ever: bool
+    feature_layers: list[int] = field(default_factory=list)
+    stats: SpecBlockStats = field(default_factory=SpecBlockStats)
+
+    def prefill(
+        self, input_ids: torch.LongTensor, mask_2d: torch.Tensor | None, generators: list[TreeCandidateGenerator]
+    ) -> tuple[list[Row], torch.BoolTensor]:
+        """The prompts through the target give each row its first token and its drafter's context features; returns
+        the rows and the cache columns each sees [B, S]."""
+        device = self.model.device
+        visible = (mask_2d.bool() if mask_2d is not None else torch.ones_like(input_ids, dtype=torch.bool)).to(device)
+        prompt = self.model(
+            input_ids=input_ids.to(device),
+            attention_mask=mask_2d,
+            position_ids=(visible.long().cumsum(-1) - 1).masked_fill(~visible, 1),  # as transformers' generate
+            past_key_values=self.cache,
+            use_cache=True,
+            output_hidden_states=self.feature_layers or False,
+            logits_to_keep=1,
+        )
+        raw = prompt.logits[:, -1].float()
+        processed = self.logits_processor(input_ids, raw.clone())  # the whole batch, as plain generate's first step
+        sample = self.generation_config.do_sample
+        first = torch.multinomial(processed.softmax(-1), 1)[:, 0] if sample else processed.argmax(-1)
+        features = target_features(prompt, self.feature_layers, tuple(input_ids.shape), device)
+        width = input_ids.shape[1]
+        rows = [
+            Row(r, input_ids[r], width - n, n, generator, hidden=width - n)
+            for r, (n, generator) in enumerate(zip(visible.sum(1).tolist(), generators))
+        ]
+        kept = commit(rows, list(first.to(input_ids.device)[:, None]), list(processed[:, None]), self.stopping_criteria)
+        for row, count in zip(rows, kept):
+            record(row, self.generation_config, processed[row.index, None], raw[row.index, None], count)
+            if not row.done and self.drafts_ever:
+                seen = visible[row.index]
+                context = torch.cat([input_ids[row.index][seen.to(input_ids.device)][1:], row.sequence[-1:]])
+                row.generator.queue(features[row.index][seen], context, first_position=1)
+        return rows, visible
+
+    def budget(self, live_rows: int, fixed: int, explore_interval: int) -> int:
+        """This step's budget: the chooser's for the live batch, or the fixed one."""
+        if self.auto_budget is None:
+            return fixed
+        self.auto_budget.set_batch_size(live_rows)
+        return self.auto_budget.next_budget(explore_interval)
+
+    def largest(self, budget: int) -> int:
+        return self.auto_budget.largest if self.auto_budget is not None else budget
+
+    def step(
+        self, live: list[Row], drafted: list[tuple[DraftTree, float | None]], budget: int, visible: torch.BoolTensor
+    ) -> tuple[torch.BoolTensor, list[int]]:
+        """Verify -> accept -> compact -> observe the live rows' drafted trees; returns the new cache visibility and
+        how many tokens each row committed."""
+        trees = [tree for tree, _ in drafted]
+        if self.auto_budget is not None:  # verify only the part of each tree that pays for its nodes
+            trees = [self.auto_budget.worth_verifying(tree, drafted=budget > 0) for tree in trees]
+        batch = TreeBatch.pad(trees)
+        # verify
+        device = self.model.device
+        sync(device)
+        target_start = time.perf_counter()
+        past_length = self.cache.get_seq_length()
+        positions = torch.tensor([row.next_position for row in live])
+        result = verify_trees(self.model, batch, self.cache, visible, positions, self.feature_layers)
+        processed = result.logits
+        if len(self.logits_processor):
+            processed = processed.clone()
+            for i, (row, tree) in enumerate(zip(live, trees)):
+                processed[i, : len(tree)] = self.tree_processor(
+                    row.sequence[None], result.logits[i, : len(tree)], tree, row.index
+                )
+        # accept
+        if self.generation_config.do_sample:
+            paths = [sample_accept(tree, processed[i, : len(tree)]) for i, tree in enumerate(trees)]
+            kept = [[0] + path.tolist() for path, _ in paths]
+            bonus = torch.cat([b for _, b in paths])
+        else:
+            kept, bonus = greedy_accept_rows(batch, processed)
+        # compact
+        holds = compact_cache(self.cache, past_length, kept)
+        visible = torch.cat([visible, holds.to(device)], dim=1)
+        sync(device)
+        self.stats.target_time_s += time.perf_counter() - target_start
+        self.stats.target_forwards += 1
+        # every row's kept nodes as one [B, K] index (root first; a shorter row repeats its last node)
+        index = kept_index(kept, batch.tokens.device)
+        lengths = [len(nodes) for nodes in kept]
+        last = torch.tensor(lengths, device=index.device)[:, None] - 1
+        new_tokens = torch.cat([batch.tokens.gather(1, index)[:, 1:], bonus[:, None]], 1).scatter_(1, last, bonus[:, None])
+        rows_index = index.to(processed.device)[..., None].expand(-1, -1, processed.shape[-1])
+        kept_scores = processed.gather(1, rows_index)  # [B, K, V]
+        kept_raw = result.logits.gather(1, rows_index) if self.generation_config.output_logits else kept_scores
+        if budget > 0 or any(row.generator.free_candidates is not None for row in live):
+            for i, (row, tree, (_, drafting_seconds)) in enumerate(zip(live, trees, drafted)):
+                self._learn(row, tree, index[i, 1 : lengths[i]], bonus[i : i + 1], result.logits[i, : len(tree)],
+                            budget, drafting_seconds)  # fmt: skip
+        self.stats.iterations += len(live)
+        self.stats.nodes_per_iteration += [tree.num_drafted for tree in trees]
+        self.stats.accepted_per_iteration += lengths
+        counts = commit(live, [new_tokens[i, :n] for i, n in enumerate(lengths)], list(kept_scores),
+                        self.stopping_criteria)  # fmt: skip
+        for i, (row, n, count) in enumerate(zip(live, lengths, counts)):
+            record(row, self.generation_config, kept_scores[i], kept_raw[i], count)
+            row.hidden += holds.shape[1] - n
+            row.next_position += n
+            # observe: queue the accepted positions' target features for the drafter's next draft
+            if not row.done and self.drafts_ever:
+                row.generator.queue(result.features[i, index[i, :n]], new_tokens[i, :n],
+                                    first_position=row.next_position - n + 1)  # fmt: skip
+        return visible, counts
+
+    def _learn(
+        self, row: Row, tree: DraftTree, path: torch.LongTensor, bonus: torch.LongTensor, logits: torch.Tensor,
+        budget: int, drafting_seconds: float | None,
+    ) -> None:  # fmt: skip
+        """What one row's verified tree teaches: the free candidates' scores, online adaptation's signal and the
+        budget chooser's estimates."""
+        row.generator.record_verified(tree, path)
+        if self.adapter is not None and budget > 0:  # the verified rows teach the drafter (no extra target forward)
+            self.adapter.capture(row.generator, tree, path, bonus, logits)
+        if self.auto_budget is not None and budget > 0:
+            self.auto_budget.observe(tree, path, drafting_seconds, budget=budget)
+        elif self.auto_budget is not None and self.auto_budget.free_at_zero:
+            self.auto_budget.observe_free(tree, path)
 
 
 def _retire(live: list[Row], cache: DynamicCache, visible: torch.BoolTensor) -> tuple[list[Row], torch.BoolTensor]:
