@@ -44,11 +44,15 @@ def commit(
     processed: list[torch.Tensor],
     stopping_criteria: StoppingCriteriaList,
 ) -> list[int]:
-    """Append each row's accepted tokens [n_r], stopping a row at the first token a stopping criterion fires on
-    (the criteria see [g, T] sequences: rows of equal length are asked together, one host read per group).
-    processed: each row's [n_r, V] scores. Returns how many tokens each row kept; sets `Row.done`."""
+    """Append each row's accepted tokens [n_r], stopping a row at the first token a stopping criterion fires on.
+
+    The criteria see [g, T] sequences: rows of equal length are asked together, once per token position, and all
+    their answers are read back at once (one host read per step). processed: each row's [n_r, V] scores. Returns
+    how many tokens each row kept; sets `Row.done`."""
     extended = [torch.cat([row.sequence, new.to(row.sequence.device)]) for row, new in zip(rows, new_tokens)]
     kept = [new.numel() for new in new_tokens]
+    asked: list[tuple[int, list[int]]] = []  # (token position, rows asked together)
+    answers = []
     for i in range(max(kept, default=0)):
         groups: defaultdict[int, list[int]] = defaultdict(list)
         for r, row in enumerate(rows):
@@ -57,9 +61,13 @@ def commit(
         for length, members in groups.items():
             ids = torch.stack([extended[r][:length] for r in members])
             scores = torch.stack([processed[r][i] for r in members])
-            for r, stop in zip(members, stopping_criteria(ids, scores).tolist()):
-                if stop:
-                    kept[r], rows[r].done = i + 1, True
+            asked.append((i, members))
+            answers.append(stopping_criteria(ids, scores).to(torch.bool).reshape(-1))
+    flags = iter(torch.cat(answers).tolist() if answers else [])
+    for i, members in asked:  # positions in increasing order: a row's first stop wins
+        for r in members:
+            if next(flags) and not rows[r].done:
+                kept[r], rows[r].done = i + 1, True
     for row, sequence, count in zip(rows, extended, kept):
         row.sequence = sequence[: row.sequence.numel() + count]
     return kept
