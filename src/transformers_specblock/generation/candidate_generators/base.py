@@ -1,5 +1,5 @@
 """The base of the tree candidate generators: a drafter KV cache kept across iterations, context read lazily, free
-candidates (prompt lookup, n-gram cache) merged into every tree before it is pruned to the budget."""
+candidates (prompt lookup, n-gram cache, suffix cache) merged into every tree before it is pruned to the budget."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from transformers.generation.candidate_generator import CandidateGenerator
 from ...models.tree_drafter.configuration_tree_drafter import AUTO
 from ...models.tree_drafter.modeling_tree_drafter import TreeDraftModel
 from ...utils import sync
-from ..lookup import FreeCandidates, LookupSettings, source_scores_for
+from ..lookup import free_candidates_for
 from ..tree import SOURCE_BITS, DraftTree
 
 
@@ -51,8 +51,9 @@ class TreeCandidateGenerator(CandidateGenerator):
         self.queued: list[tuple[torch.Tensor, torch.LongTensor]] = []  # (features [P, 3H], next tokens [P])
         self.queued_first_position = 0
         self.has_read = False  # whether the drafter has read any context yet
-        lookup = LookupSettings.from_config(drafter.config)
-        self.free_candidates = FreeCandidates(lookup, source_scores_for(drafter, lookup)) if lookup.enabled else None
+        self.free_candidates = free_candidates_for(drafter)
+        eos = getattr(drafter.config, "eos_token_id", None)
+        self.eos_token_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
         # online adaptation (`generation.adaptation`) turns these on: which drafter state gave each drafted node's
         # distribution, the drafter's unpruned tree, and the last committed positions (for replaying them)
         self.keep_producers = False
@@ -129,7 +130,12 @@ class TreeCandidateGenerator(CandidateGenerator):
         for source, bit in SOURCE_BITS.items():
             self.stats.accepted_by_source[source] += int(((accepted & bit) > 0).sum())
         if self.free_candidates is not None:
-            self.free_candidates.record(tree, path)
+            self.free_candidates.record(tree, path, self.eos_token_ids)
+
+    def finish(self, sequence: torch.LongTensor) -> None:
+        """The call is over: `sequence` [T] is its whole committed text (the suffix store remembers it)."""
+        if self.free_candidates is not None:
+            self.free_candidates.finish(sequence)
 
     def get_candidates(self, input_ids: torch.LongTensor, **kwargs) -> tuple[torch.LongTensor, None]:
         """`CandidateGenerator` API: the drafted tree's tokens in topological order after `input_ids`.

@@ -37,10 +37,9 @@ class LookupTreeConfig(TreeDrafterConfig):
 
     def validate_settings(self) -> None:
         super().validate_settings()
-        if not self.prompt_lookup_num_tokens and not self.ngram_cache_num_tokens:
-            raise ValueError(
-                "A lookup tree needs a candidate source: set prompt_lookup_num_tokens and/or ngram_cache_num_tokens > 0."
-            )
+        sources = ("prompt_lookup_num_tokens", "ngram_cache_num_tokens", "suffix_cache_num_tokens", "suffix_local_num_tokens")
+        if not any(getattr(self, name) for name in sources):
+            raise ValueError(f"A lookup tree needs a candidate source: set one of {', '.join(sources)} > 0.")
 
     @classmethod
     def from_target_config(cls, target_config: PretrainedConfig, **overrides: Any) -> "LookupTreeConfig":
