@@ -77,7 +77,7 @@ class SuffixStore:
 
     def __init__(self, max_tokens: int, max_requests: int) -> None:
         self.max_tokens, self.max_requests = max_tokens, max_requests
-        self.lock = threading.RLock()
+        self.lock = threading.Lock()  # every public method takes it (not re-entrant: see `_submit`)
         self.requests: deque[list[int]] = deque()
         self.tokens = 0
         self.index = SuffixAutomaton()
@@ -91,7 +91,7 @@ class SuffixStore:
     def bind(self, fingerprint: list[int] | None) -> None:
         """Tie the store to a target; refuse a store that holds another target's text."""
         with self.lock:
-            self.flush()
+            self._flush()
             if fingerprint is None or fingerprint == self.fingerprint:
                 return
             if self.requests:
@@ -107,19 +107,23 @@ class SuffixStore:
         """Remember one finished request (its last `max_tokens` tokens), evicting the oldest requests over the
         bounds: down to 3/4 of each, so the index is rebuilt once per quarter of the store, not per request."""
         with self.lock:
-            tokens = list(tokens[-self.max_tokens :])
-            if not tokens:
-                return
-            self.requests.append(tokens)
-            self.tokens += len(tokens)
-            self.version += 1
-            if self.tokens <= self.max_tokens and len(self.requests) <= self.max_requests:
-                self.index.add_sequence(tokens)
-                return
-            low_tokens, low_requests = self.max_tokens - self.max_tokens // 4, self.max_requests - self.max_requests // 4
-            while len(self.requests) > 1 and (self.tokens > low_tokens or len(self.requests) > low_requests):
-                self.tokens -= len(self.requests.popleft())
-            self._rebuild()
+            self._flush()
+            self._add(tokens)
+
+    def _add(self, tokens: list[int]) -> None:
+        tokens = list(tokens[-self.max_tokens :])
+        if not tokens:
+            return
+        self.requests.append(tokens)
+        self.tokens += len(tokens)
+        self.version += 1
+        if self.tokens <= self.max_tokens and len(self.requests) <= self.max_requests:
+            self.index.add_sequence(tokens)
+            return
+        low_tokens, low_requests = self.max_tokens - self.max_tokens // 4, self.max_requests - self.max_requests // 4
+        while len(self.requests) > 1 and (self.tokens > low_tokens or len(self.requests) > low_requests):
+            self.tokens -= len(self.requests.popleft())
+        self._rebuild()
 
     def _rebuild(self) -> None:
         self.index = SuffixAutomaton()
@@ -128,10 +132,13 @@ class SuffixStore:
         self.version += 1
 
     def flush(self) -> None:
-        """Index the requests that finished since the last look (their callers only queued them)."""
+        """Index the requests that finished while the store was busy (they were queued)."""
         with self.lock:
-            while self.pending:
-                self.add(self.pending.popleft())
+            self._flush()
+
+    def _flush(self) -> None:
+        while self.pending:
+            self._add(self.pending.popleft())
 
     def reset(self) -> None:
         """Forget every request (and the target the store was tied to)."""
@@ -144,7 +151,7 @@ class SuffixStore:
     def save(self, path: str | os.PathLike) -> None:
         """Write the remembered requests to a JSON file (atomically). Only on request: it holds users' text."""
         with self.lock:
-            self.flush()
+            self._flush()
             data = {"format": STORE_FORMAT, "fingerprint": self.fingerprint, "requests": list(self.requests)}
         folder = os.path.dirname(os.path.abspath(path))
         with tempfile.NamedTemporaryFile("w", dir=folder, delete=False, suffix=".tmp") as handle:
@@ -157,15 +164,22 @@ class SuffixStore:
             data = json.load(handle)
         if data.get("format") != STORE_FORMAT:
             raise ValueError(f"{path} is not a suffix cache written by SuffixStore.save (format {STORE_FORMAT}).")
+        self.reset()
         with self.lock:
-            self.reset()
             for request in data["requests"]:
-                self.add(request)
+                self._add(request)
             self.fingerprint = data["fingerprint"]
 
 
-def _submit(pending: deque[list[int]], text: list[int], tail: list[int]) -> None:
-    pending.append(text + tail)
+def _submit(store: SuffixStore, text: list[int], tail: list[int]) -> None:
+    """A finished request joins the store: indexed now if the store is free, else queued for the next look (a
+    finaliser may run inside a locked section of this very thread, where waiting would never end)."""
+    store.pending.append(text + tail)
+    if store.lock.acquire(blocking=False):
+        try:
+            store._flush()
+        finally:
+            store.lock.release()
 
 
 def suffix_cache_for(drafter, settings: SuffixSettings | None = None) -> SuffixStore:
@@ -199,12 +213,17 @@ class SuffixCandidates:
         self.text: list[int] = []  # the committed text seen so far (the store gets it at the end)
         self.tail: list[int] = []  # tokens accepted since the last proposal (see `accepted`)
         if self.store is not None:  # queued, not indexed, at the end: a finaliser must not wait for the lock
-            weakref.finalize(self, _submit, self.store.pending, self.text, self.tail)
+            weakref.finalize(self, _submit, self.store, self.text, self.tail)
 
     def propose(self, sequence: list[int]) -> list[Proposal]:
         """Trees below the longest matches of the committed `sequence` (prompt and answer, the last token is the
         root): from the store (kind "suffix_cache:<match bucket>") and from this request (kind "suffix_local:...")."""
         seen = len(self.text)
+        if not seen and self.store is not None and len(sequence) > self.store.max_tokens:
+            raise ValueError(
+                f"suffix_cache_max_tokens={self.store.max_tokens} cannot hold one request: this prompt alone has "
+                f"{len(sequence) - 1} tokens. Raise suffix_cache_max_tokens, or set suffix_cache_num_tokens=0."
+            )
         if len(sequence) < seen or (seen and sequence[seen - 1] != self.text[-1]):
             raise ValueError("SuffixCandidates follows one growing sequence; the committed text changed.")
         new = sequence[seen:]
@@ -218,7 +237,7 @@ class SuffixCandidates:
             proposals += self._tree(self.local, state, self.local.length[state], "suffix_local", exclude_end=1)
         if self.store is not None:
             with self.store.lock:
-                self.store.flush()
+                self.store._flush()
                 if self.store.version != self.version:  # the index changed: match again
                     self.matcher, self.version, new = Matcher(), self.store.version, self.text[-RESYNC_TOKENS:]
                 for token in new:
