@@ -236,3 +236,17 @@ def test_threads_share_one_store(one_thread):
     assert not errors
     assert store.tokens <= 400 and store.index.tokens == store.tokens
     assert sum(map(len, store.requests)) == store.tokens
+
+
+def test_a_long_remembered_stretch_is_verified_long_under_auto(one_thread):
+    """tree_budget="auto" with the default ladder: once a chain from the store is accepted whole, the next ones are
+    verified whole too (neither the chosen budget nor the per-step sizing cuts a chain that keeps being accepted)."""
+    target = make_target("llama", vocab_size=64, seed=1)
+    prompt = torch.randint(1, 64, (1, 8), generator=torch.Generator().manual_seed(5))
+    drafter = LookupTreeModel.from_target(target, tree_budget="auto", **{**SUFFIX, "suffix_cache_num_tokens": 32})
+    first = _served(target, drafter, prompt, tokens=100)
+    repeat = torch.cat([prompt, first[:, 8:20]], dim=1)
+    out = _served(target, drafter, repeat, tokens=80)
+    assert out[0].tolist() == first[0, : out.shape[1]].tolist()
+    stats = drafter.last_stats
+    assert stats.tau > 10 and sorted(stats.accepted_per_iteration)[-2] >= 20, stats.accepted_per_iteration

@@ -78,10 +78,14 @@ class NgramCache:
 class SourceScores:
     """Per kind of proposal (a source, and for prompt lookup the matched n-gram length) and per depth: how often a
     proposed token was accepted when the tokens before it were (a Beta(1, 1) prior). Counts fade once a depth has
-    more than `memory` tries (both are scaled back to it), so the rates follow recent text."""
+    more than `memory` tries (both are scaled back to it), so the rates follow recent text. Kinds starting with one
+    of `pooled` (the suffix cache's, whose kind already tells the match length) keep two rates: depth 1, and one for
+    every deeper depth (the chance a token is accepted once the ones before it were), so a long copied stretch scores
+    high at every depth after a few accepted chains instead of learning each depth apart."""
 
     max_depth: int = 16
     memory: float = 64.0
+    pooled: tuple[str, ...] = ("suffix",)
     accepted: dict[str, list[float]] = field(default_factory=dict)
     attempted: dict[str, list[float]] = field(default_factory=dict)
 
@@ -94,9 +98,9 @@ class SourceScores:
     def log_rates(self, kind: str, depth: int) -> list[float]:
         """Cumulative log acceptance rate of a chain of this kind at depths 1..depth: the chain's node scores."""
         hits, tries = self._counts(kind)
-        total, out = 0.0, []
+        total, out, last = 0.0, [], 1 if kind.startswith(self.pooled) else self.max_depth - 1
         for d in range(depth):
-            k = min(d, self.max_depth - 1)
+            k = min(d, last)
             total += math.log((hits[k] + 1.0) / (tries[k] + 2.0))
             out.append(total)
         return out
@@ -108,12 +112,12 @@ class SourceScores:
         token is tried when every token before it was accepted and it survived pruning.
         """
         hits, tries = self._counts(kind)
-        node = 0
+        node, last = 0, 1 if kind.startswith(self.pooled) else self.max_depth - 1
         for d, token in enumerate(chain):
             node = children.get((node, token), -1)
             if node < 0:  # pruned away: never shown to the target
                 return
-            k = min(d, self.max_depth - 1)
+            k = min(d, last)
             if tries[k] >= self.memory:  # fade the old counts
                 hits[k] *= (self.memory - 1.0) / tries[k]
                 tries[k] = self.memory - 1.0
@@ -182,6 +186,8 @@ class FreeCandidates:
         self.ngram_cache = NgramCache(settings.ngram_cache_order) if settings.ngram_cache_num_tokens else None
         self.suffix = suffix
         self.proposed: list[tuple[str, list[int]]] = []  # (kind, chain) merged into the latest tree (and learnt)
+        self.streak = False  # whether the last verified tree accepted a suffix-cache chain whole
+        self.long_chain = 0  # then: the longest suffix-cache chain of this tree (see `TreeCandidateGenerator`)
 
     def add_to(self, tree: DraftTree, sequence: torch.LongTensor) -> None:
         """Merge every source's chains for the committed `sequence` [T] (its last token is the root) into `tree`."""
@@ -202,6 +208,8 @@ class FreeCandidates:
             tree.merge_chain(chain, self.scores.log_rates(kind, len(chain)), kind.partition(":")[0])
         for proposal in self.suffix.propose(text) if self.suffix is not None else []:
             self._merge_tree(tree, proposal)
+        suffix_chains = [len(chain) for kind, chain in self.proposed if kind.startswith("suffix")]
+        self.long_chain = max(suffix_chains, default=0) if self.streak else 0
 
     def _merge_tree(self, tree: DraftTree, proposal: Proposal) -> None:
         """Merge a suffix-cache tree: its most frequent branch is learnt (and scored) as a chain of its kind; a
@@ -240,8 +248,10 @@ class FreeCandidates:
             return
         children = {(p, t): i for i, (p, t) in enumerate(zip(tree.parents.tolist(), tree.tokens.tolist()))}
         accepted = tree.tokens[path].tolist()
+        self.streak = False
         for kind, chain in self.proposed:
             self.scores.record(kind, chain, children, accepted)
+            self.streak |= kind.startswith("suffix") and accepted[: len(chain)] == chain
 
     def finish(self, sequence: torch.LongTensor) -> None:
         """The call's whole committed text [T], for the suffix store (else it keeps the text up to the last draft)."""

@@ -31,7 +31,7 @@ from .suffix_index import Matcher, SuffixAutomaton, draft_below
 
 STORE_FORMAT = "transformers-specblock-suffix-cache/1"
 RESYNC_TOKENS = 256  # a matcher re-matches at most this much of its context when the store's index changes
-MATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)  # a proposal's kind: the largest bucket <= match length
+MATCH_BUCKETS = (1, 2, 3, 4, 8, 16)  # a proposal's kind: the largest bucket <= match length
 
 
 @dataclass(frozen=True)

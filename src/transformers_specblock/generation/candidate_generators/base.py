@@ -103,16 +103,21 @@ class TreeCandidateGenerator(CandidateGenerator):
     def draft_tree(self, sequence: torch.LongTensor, with_drafter: bool = True) -> DraftTree:
         """The drafter's tree for the committed tokens `sequence` [T] (the last one is the root), with the free
         candidates merged in, pruned to `tree_budget` drafted nodes; without the drafter, the free candidates alone
-        (no drafter call)."""
+        (no drafter call). Under tree_budget="auto", a suffix-cache chain following one the target accepted whole
+        may go past the budget (up to the largest candidate): a long copy keeps being verified long."""
         root = int(sequence[-1])
         self.producers = []
         tree = self.grow_tree(root) if with_drafter else DraftTree.root_only(root, self.drafter.device)
         self.drafted = tree if self.keep_producers and with_drafter else None
+        budget = self.tree_budget
         if self.free_candidates is not None:
             start = time.perf_counter()
             self.free_candidates.add_to(tree, sequence)
             self._account(start, forwards=0)
-        return tree.prune(self.tree_budget)
+            if self.drafter.config.tree_budget == AUTO:  # a stretch being copied is verified whole, past the budget
+                largest = max(self.drafter.config.auto_budget_candidates)
+                budget = max(budget, min(self.free_candidates.long_chain, largest))
+        return tree.prune(budget)
 
     def note_producers(
         self, nodes: torch.LongTensor, states: torch.Tensor, root_slots: torch.LongTensor | None = None
