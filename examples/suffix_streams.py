@@ -10,8 +10,8 @@ method gets a fresh drafter object per stream; the methods are interleaved promp
 the machine hit all alike. Greedy, so every method's output must equal plain `generate` (checked). Per call:
 tokens, seconds and target forwards (counted by a hook: tokens per target forward is exact, the speed is not on a
 shared CPU). The peer: arctic-inference's `SuffixDecodingCache` (global cache of earlier responses, per-request
-prompt tree), its `speculate(..., use_tree_spec=True)` drafts verified in this package's tree loop under the same
-node budget. Writes `calls.jsonl`, `results.json`, `results.md` and `streams.png`.
+prompt tree), its `speculate(..., use_tree_spec=True)` drafts verified in this package's tree loop, capped at the
+largest budget of the "auto" ladder (it verifies every draft it makes, sized by its match length). Writes `calls.jsonl`, `results.json`, `results.md` and `streams.png`.
 """
 
 from __future__ import annotations
@@ -170,8 +170,8 @@ def make_drafter(method: str, target, ladder: list[int], peer_cls):
         return LookupTreeModel.from_target(target, **auto, **SUFFIX)
     if method == "suffix_only":
         return LookupTreeModel.from_target(target, **auto, **SUFFIX_ONLY)
-    if method == "suffix_decoding":
-        config = LookupTreeConfig.from_target_config(target.config, **auto)
+    if method == "suffix_decoding":  # always verifies its draft (sized by the match), as SuffixDecoding does
+        config = LookupTreeConfig.from_target_config(target.config, tree_budget=max(ladder))
         return PeerModel(config, peer_cls(max_tree_depth=24, max_cached_requests=256))
     if method in ("specblock+suffix", "eagle3+suffix"):
         cls, name = (SpecBlockDraftModel, "specblock") if method.startswith("specblock") else (Eagle3DraftModel, "eagle3")

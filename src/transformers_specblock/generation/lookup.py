@@ -81,7 +81,8 @@ class SourceScores:
     more than `memory` tries (both are scaled back to it), so the rates follow recent text. Kinds starting with one
     of `pooled` (the suffix cache's, whose kind already tells the match length) keep two rates: depth 1, and one for
     every deeper depth (the chance a token is accepted once the ones before it were), so a long copied stretch scores
-    high at every depth after a few accepted chains instead of learning each depth apart."""
+    high at every depth after a few accepted chains instead of learning each depth apart; their prior is two tries
+    with a mean of m / (m + 1) for a match of m tokens (a long match is likely a copy) instead of Beta(1, 1)."""
 
     max_depth: int = 16
     memory: float = 64.0
@@ -99,11 +100,19 @@ class SourceScores:
         """Cumulative log acceptance rate of a chain of this kind at depths 1..depth: the chain's node scores."""
         hits, tries = self._counts(kind)
         total, out, last = 0.0, [], 1 if kind.startswith(self.pooled) else self.max_depth - 1
+        prior = self._prior_hits(kind)
         for d in range(depth):
             k = min(d, last)
-            total += math.log((hits[k] + 1.0) / (tries[k] + 2.0))
+            total += math.log((hits[k] + prior) / (tries[k] + 2.0))
             out.append(total)
         return out
+
+    def _prior_hits(self, kind: str) -> float:
+        """Accepted tries of the prior's two: 1, or 2m / (m + 1) for a pooled kind "<source>:<m>"."""
+        if not kind.startswith(self.pooled):
+            return 1.0
+        match = int(kind.rpartition(":")[2])
+        return 2.0 * match / (match + 1.0)
 
     def record(self, kind: str, chain: list[int], children: dict[tuple[int, int], int], accepted: list[int]) -> None:
         """Count how far the verified tree tried and accepted one proposed chain.
