@@ -200,7 +200,8 @@ def suffix_cache_for(drafter, settings: SuffixSettings | None = None) -> SuffixS
 class SuffixCandidates:
     """One request's suffix-cache proposals: the longest match of its committed text in the drafter's store and
     (with local matching on) in its own prompt and answer so far. The request joins the store when this object is
-    dropped (the end of its `generate` call), as its committed text up to its last drafted step."""
+    dropped (the end of its `generate` call): its committed text up to the last draft and what the target accepted
+    of that draft (all but the step's last token, unless the loop calls `finish` with the whole text)."""
 
     def __init__(self, settings: SuffixSettings, store: SuffixStore | None, fingerprint: list[int] | None) -> None:
         self.settings = settings
@@ -212,8 +213,8 @@ class SuffixCandidates:
         self.version = -1  # the store version the matcher follows
         self.text: list[int] = []  # the committed text seen so far (the store gets it at the end)
         self.tail: list[int] = []  # tokens accepted since the last proposal (see `accepted`)
-        if self.store is not None:  # queued, not indexed, at the end: a finaliser must not wait for the lock
-            weakref.finalize(self, _submit, self.store, self.text, self.tail)
+        if self.store is not None:  # a finaliser never waits for the lock (see `_submit`); none at interpreter exit
+            weakref.finalize(self, _submit, self.store, self.text, self.tail).atexit = False
 
     def propose(self, sequence: list[int]) -> list[Proposal]:
         """Trees below the longest matches of the committed `sequence` (prompt and answer, the last token is the
