@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from conftest import make_drafter, make_target
+from test_dflash import make_dflash
 from test_eagle3 import make_eagle3
 from test_sampling_lossless import ALPHA, exact_marginals, fit_pvalues, sample_counts
 from transformers_specblock import LookupTreeConfig, LookupTreeModel
@@ -76,7 +77,7 @@ def test_draft_below_is_frequency_scored_best_first():
     assert len(draft_below(index, matcher.state, 2, 0.0)) == 2  # the size limit
 
 
-@pytest.mark.parametrize("kind", ["lookup_tree", "specblock", "eagle3"])
+@pytest.mark.parametrize("kind", ["lookup_tree", "specblock", "eagle3", "dflash"])
 def test_greedy_equals_target_with_the_suffix_cache(kind, one_thread):
     vocab, from_store = 24, 0
     settings = dict(suffix_cache_num_tokens=12, suffix_local_num_tokens=8, prompt_lookup_num_tokens=4)
@@ -86,6 +87,8 @@ def test_greedy_equals_target_with_the_suffix_cache(kind, one_thread):
             drafter = make_drafter(target, seed=seed, tree_budget=16, **settings)
         elif kind == "eagle3":
             drafter = make_eagle3(target, seed=seed, tree_budget=16, tree_top_k=3, tree_depth=3, **settings)
+        elif kind == "dflash":
+            drafter = make_dflash(target, seed=seed, tree_budget=16, **settings)
         else:
             drafter = LookupTreeModel.from_target(target, tree_budget=16, **settings)
         prompts = torch.randint(1, vocab, (3, 10), generator=torch.Generator().manual_seed(seed))
