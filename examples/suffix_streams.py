@@ -22,6 +22,7 @@ import json
 import statistics
 import sys
 import time
+import tracemalloc
 import weakref
 from pathlib import Path
 
@@ -31,10 +32,10 @@ from tqdm import tqdm
 from transformers_specblock import Eagle3DraftModel, LookupTreeModel, SpecBlockDraftModel
 from transformers_specblock.generation.candidate_generators import CANDIDATE_GENERATOR_MAPPING
 from transformers_specblock.generation.candidate_generators.lookup_tree import LookupTreeCandidateGenerator
-from transformers_specblock.generation.suffix_cache import suffix_cache_for
+from transformers_specblock.generation.suffix_cache import SuffixStore, suffix_cache_for
 from transformers_specblock.generation.tree import DraftTree
 from transformers_specblock.hub.loading import load_model
-from transformers_specblock.hub.prompts import _package_file, load_prompts
+from transformers_specblock.hub.prompts import _package_file, load_prompts, load_sharegpt_conversations
 from transformers_specblock.hub.provenance import describe_hardware
 from transformers_specblock.models.lookup_tree import LookupTreeConfig
 from transformers_specblock.utils import import_pyplot
@@ -65,6 +66,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--peer_path", default="/work/venvs/arctic-src/arctic_inference-0.3.0",
                         help="a folder holding the built arctic_inference package (examples/suffix_streams_setup.sh)")  # fmt: skip
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--store_memory", type=int, default=0,
+                        help="instead: fill stores bounded at 16384 and 65536 tokens with this many ShareGPT "
+                             "conversations (600 tokens each at most) and measure their memory (tracemalloc)")  # fmt: skip
     return parser.parse_args()
 
 
@@ -297,12 +301,38 @@ def write_report(summary: dict, meta: dict, output_dir: Path) -> None:
     fig.savefig(output_dir / "streams.png", dpi=120)
 
 
+def measure_store_memory(tokenizer, conversations: int) -> list[dict]:
+    """Bytes a store holds at its bound (tracemalloc: the store's own allocations), and the time to fill it."""
+    records = load_sharegpt_conversations("train")[:conversations]
+    requests = [tokenizer(" ".join(t["value"] for t in r["conversations"]))["input_ids"][:600] for r in records]
+    out = []
+    for max_tokens in (16384, 65536):
+        start = time.perf_counter()
+        tracemalloc.start()
+        store, most = SuffixStore(max_tokens=max_tokens, max_requests=10**6), 0
+        for request in tqdm(requests, desc=f"store of {max_tokens}"):
+            store.add(request)
+            most = max(most, store.tokens)
+        current, peak = tracemalloc.get_traced_memory()
+        tracemalloc.stop()
+        out.append({"max_tokens": max_tokens, "tokens_added": sum(map(len, requests)), "kept_tokens": store.tokens,
+                    "kept_requests": len(store), "most_tokens_ever": most, "states": len(store.index),
+                    "bytes_now": current, "bytes_peak": peak, "bytes_per_kept_token": round(current / store.tokens),
+                    "seconds_with_tracemalloc": round(time.perf_counter() - start, 1)})  # fmt: skip
+        print(out[-1])
+    return out
+
+
 def main() -> None:
     args = parse_args()
     torch.set_num_threads(args.threads)
     output_dir = Path(args.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     target, tokenizer = load_model(args.target_model, device="cpu", dtype="float32")
+    if args.store_memory:
+        memory = measure_store_memory(tokenizer, args.store_memory)
+        (output_dir / "store_memory.json").write_text(json.dumps(memory, indent=1))
+        return
     methods = args.methods.split(",")
     peer_cls = load_peer(args.peer_path) if "suffix_decoding" in methods else None
     if peer_cls is None and "suffix_decoding" in methods:
