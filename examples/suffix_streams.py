@@ -65,6 +65,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--budget_candidates", default="0,2,4,8,16,24,32", help='the "auto" budget ladder')
     parser.add_argument("--peer_path", default="/work/venvs/arctic-src/arctic_inference-0.3.0",
                         help="a folder holding the built arctic_inference package (examples/suffix_streams_setup.sh)")  # fmt: skip
+    parser.add_argument("--fixed_budget", type=int, default=0,
+                        help="every tree method at this fixed budget instead of auto (a tau comparison)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--store_memory", type=int, default=0,
                         help="instead: fill stores bounded at 16384 and 65536 tokens with this many ShareGPT "
@@ -166,8 +168,8 @@ def load_peer(path: str):
 
 
 # ------------------------------------------------------------------------------------------------- methods
-def make_drafter(method: str, target, ladder: list[int], peer_cls):
-    auto = dict(tree_budget="auto", auto_budget_candidates=ladder)
+def make_drafter(method: str, target, ladder: list[int], peer_cls, fixed_budget: int = 0):
+    auto = dict(tree_budget=fixed_budget or "auto", auto_budget_candidates=ladder)
     if method == "lookup_tree":
         return LookupTreeModel.from_target(target, **auto, **TODAY)
     if method == "lookup_tree+suffix":
@@ -175,7 +177,7 @@ def make_drafter(method: str, target, ladder: list[int], peer_cls):
     if method == "suffix_only":
         return LookupTreeModel.from_target(target, **auto, **SUFFIX_ONLY)
     if method == "suffix_decoding":  # always verifies its draft (sized by the match), as SuffixDecoding does
-        config = LookupTreeConfig.from_target_config(target.config, tree_budget=max(ladder))
+        config = LookupTreeConfig.from_target_config(target.config, tree_budget=fixed_budget or max(ladder))
         return PeerModel(config, peer_cls(max_tree_depth=24, max_cached_requests=256))
     if method in ("specblock+suffix", "eagle3+suffix"):
         cls, name = (SpecBlockDraftModel, "specblock") if method.startswith("specblock") else (Eagle3DraftModel, "eagle3")
@@ -221,7 +223,7 @@ def run_call(method: str, target, drafter, inputs: dict, max_new_tokens: int, co
 
 def run_stream(stream: str, methods: list[str], target, tokenizer, args, peer_cls, counter, log) -> list[dict]:
     ladder = [int(b) for b in args.budget_candidates.split(",")]
-    drafters = {m: make_drafter(m, target, ladder, peer_cls) for m in methods}
+    drafters = {m: make_drafter(m, target, ladder, peer_cls, args.fixed_budget) for m in methods}
     rows, answers = [], {}
     for i, request in enumerate(tqdm(build_stream(stream, tokenizer, args.num_prompts), desc=stream)):
         for method in methods:
@@ -348,7 +350,7 @@ def main() -> None:
     meta = {
         "hardware": describe_hardware("cpu", "float32", "float32") + f", {torch.get_num_threads()} threads",
         "target": args.target_model, "num_prompts": args.num_prompts, "max_new_tokens": args.max_new_tokens,
-        "budget_candidates": args.budget_candidates, "free_candidates": FREE, "command": " ".join(sys.argv),
+        "budget_candidates": args.budget_candidates, "fixed_budget": args.fixed_budget, "free_candidates": FREE, "command": " ".join(sys.argv),
         "peer": "arctic-inference 0.3.0 SuffixDecodingCache(max_tree_depth=24, max_cached_requests=256), "
                 "speculate(max_spec_tokens=<budget>, use_tree_spec=True)" if peer_cls else "not built",
     }  # fmt: skip
