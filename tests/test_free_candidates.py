@@ -87,7 +87,7 @@ def _repetitive_prompt(vocab: int, seed: int) -> torch.LongTensor:
 @pytest.mark.parametrize("kind", ["specblock", "eagle3", "lookup_tree"])
 @pytest.mark.parametrize("budget", [4, 24])
 def test_greedy_equals_target_with_every_source(kind, budget, one_thread):
-    vocab, proposed, overlaps = 24, {"prompt_lookup": 0, "ngram_cache": 0, "drafter": 0}, 0
+    vocab, proposed, overlaps = 24, dict.fromkeys(SOURCE_BITS, 0), 0
     for seed in range(3):
         target = make_target("llama", vocab_size=vocab, seed=seed)
         if kind == "specblock":
@@ -136,7 +136,7 @@ def test_bad_lookup_settings_are_refused():
         with drafter.tree_settings(prompt_lookup_min_ngram_size=4, prompt_lookup_max_ngram_size=2):
             pass
     with pytest.raises(ValueError, match="needs a candidate source"):
-        LookupTreeConfig(prompt_lookup_num_tokens=0, ngram_cache_num_tokens=0)
+        LookupTreeConfig(prompt_lookup_num_tokens=0, ngram_cache_num_tokens=0, suffix_cache_num_tokens=0)
     lookup = LookupTreeModel.from_target(make_target("llama", vocab_size=32))
     with pytest.raises(ValueError, match="vocabulary of 32 tokens, but the target has 24"):
         target.generate(torch.tensor([[1, 2, 3]]), assistant_model=lookup, max_new_tokens=4)

@@ -1,12 +1,15 @@
-"""Free candidates: prompt lookup and an n-gram cache propose chains that join the drafter's tree.
+"""Free candidates: prompt lookup, an n-gram cache and the suffix cache propose chains that join the drafter's tree.
 
-Neither source calls a model. `prompt_lookup_chains` copies what followed earlier occurrences of the text's last
+No source calls a model. `prompt_lookup_chains` copies what followed earlier occurrences of the text's last
 n-gram (in the prompt or the generated text; several matches give several branches); `NgramCache` walks a table of
 what followed every short n-gram of the committed text so far. `FreeCandidates` merges their chains into the tree
 (`DraftTree.merge_chain`: no duplicate siblings) with scores on the drafter's scale: a chain's node at depth d
 scores the sum of the log acceptance rates `SourceScores` learnt for its kind (the source; for prompt lookup also
 the matched n-gram length) at depths 1..d, so pruning to the tree budget (and `tree_budget="auto"`) ranks every
-candidate by one rule, whichever source proposed it.
+candidate by one rule, whichever source proposed it. The suffix cache (`generation.suffix_cache`: the longest
+match of the text among every request the drafter served, and in this request) proposes a tree per match; its
+most frequent branch scores as a chain of its kind (the match's length bucket), every other branch below that by
+its frequency relative to its most frequent sibling.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..models.tree_drafter.modeling_tree_drafter import TreeDraftModel
+from .suffix_cache import Proposal, SuffixCandidates, SuffixSettings, suffix_cache_for, target_fingerprint
 from .tree import DraftTree
 
 def prompt_lookup_chains(
@@ -74,10 +78,15 @@ class NgramCache:
 class SourceScores:
     """Per kind of proposal (a source, and for prompt lookup the matched n-gram length) and per depth: how often a
     proposed token was accepted when the tokens before it were (a Beta(1, 1) prior). Counts fade once a depth has
-    more than `memory` tries (both are scaled back to it), so the rates follow recent text."""
+    more than `memory` tries (both are scaled back to it), so the rates follow recent text. Kinds starting with one
+    of `pooled` (the suffix cache's, whose kind already tells the match length) keep two rates: depth 1, and one for
+    every deeper depth (the chance a token is accepted once the ones before it were), so a long copied stretch scores
+    high at every depth after a few accepted chains instead of learning each depth apart; their prior is two tries
+    with a mean of m / (m + 1) for a match of m tokens (a long match is likely a copy) instead of Beta(1, 1)."""
 
     max_depth: int = 16
     memory: float = 64.0
+    pooled: tuple[str, ...] = ("suffix",)
     accepted: dict[str, list[float]] = field(default_factory=dict)
     attempted: dict[str, list[float]] = field(default_factory=dict)
 
@@ -90,12 +99,20 @@ class SourceScores:
     def log_rates(self, kind: str, depth: int) -> list[float]:
         """Cumulative log acceptance rate of a chain of this kind at depths 1..depth: the chain's node scores."""
         hits, tries = self._counts(kind)
-        total, out = 0.0, []
+        total, out, last = 0.0, [], 1 if kind.startswith(self.pooled) else self.max_depth - 1
+        prior = self._prior_hits(kind)
         for d in range(depth):
-            k = min(d, self.max_depth - 1)
-            total += math.log((hits[k] + 1.0) / (tries[k] + 2.0))
+            k = min(d, last)
+            total += math.log((hits[k] + prior) / (tries[k] + 2.0))
             out.append(total)
         return out
+
+    def _prior_hits(self, kind: str) -> float:
+        """Accepted tries of the prior's two: 1, or 2m / (m + 1) for a pooled kind "<source>:<m>"."""
+        if not kind.startswith(self.pooled):
+            return 1.0
+        match = int(kind.rpartition(":")[2])
+        return 2.0 * match / (match + 1.0)
 
     def record(self, kind: str, chain: list[int], children: dict[tuple[int, int], int], accepted: list[int]) -> None:
         """Count how far the verified tree tried and accepted one proposed chain.
@@ -104,12 +121,12 @@ class SourceScores:
         token is tried when every token before it was accepted and it survived pruning.
         """
         hits, tries = self._counts(kind)
-        node = 0
+        node, last = 0, 1 if kind.startswith(self.pooled) else self.max_depth - 1
         for d, token in enumerate(chain):
             node = children.get((node, token), -1)
             if node < 0:  # pruned away: never shown to the target
                 return
-            k = min(d, self.max_depth - 1)
+            k = min(d, last)
             if tries[k] >= self.memory:  # fade the old counts
                 hits[k] *= (self.memory - 1.0) / tries[k]
                 tries[k] = self.memory - 1.0
@@ -129,14 +146,20 @@ class LookupSettings:
     prompt_lookup_branches: int = 4
     ngram_cache_num_tokens: int = 0
     ngram_cache_order: int = 2
+    suffix: SuffixSettings = SuffixSettings()
 
     @classmethod
     def from_config(cls, config) -> "LookupSettings":
-        return cls(**{name: getattr(config, name) for name in cls.__dataclass_fields__})
+        own = {name: getattr(config, name) for name in cls.__dataclass_fields__ if name != "suffix"}
+        suffix = {name: getattr(config, name) for name in SuffixSettings.__dataclass_fields__}
+        return cls(**own, suffix=SuffixSettings(**suffix))
 
     @property
     def enabled(self) -> bool:
-        return self.prompt_lookup_num_tokens > 0 or self.ngram_cache_num_tokens > 0
+        return (
+            self.prompt_lookup_num_tokens > 0 or self.ngram_cache_num_tokens > 0
+            or self.suffix.suffix_cache_num_tokens > 0 or self.suffix.suffix_local_num_tokens > 0
+        )  # fmt: skip
 
 
 def source_scores_for(drafter: TreeDraftModel, settings: LookupSettings) -> SourceScores:
@@ -146,15 +169,34 @@ def source_scores_for(drafter: TreeDraftModel, settings: LookupSettings) -> Sour
     return per_settings.setdefault(settings, SourceScores())
 
 
+def free_candidates_for(drafter: TreeDraftModel) -> "FreeCandidates | None":
+    """The free candidates of one `generate` call of `drafter` (None where its config turns none on), with the
+    drafter's learnt source scores and suffix store (bound to the target the drafter is bound to)."""
+    settings = LookupSettings.from_config(drafter.config)
+    if not settings.enabled:
+        return None
+    suffix = settings.suffix
+    store = suffix_cache_for(drafter, suffix) if suffix.suffix_cache_num_tokens else None
+    fingerprint = target_fingerprint(drafter.__dict__.get("_target_embedding"))
+    local = suffix.suffix_cache_num_tokens or suffix.suffix_local_num_tokens
+    suffix_candidates = SuffixCandidates(suffix, store, fingerprint) if local else None
+    return FreeCandidates(settings, source_scores_for(drafter, settings), suffix_candidates)
+
+
 class FreeCandidates:
     """The free candidate sources of one `generate` call: proposes their chains into a tree, learns their scores
     (`scores`, shared between calls through `source_scores_for`)."""
 
-    def __init__(self, settings: LookupSettings, scores: SourceScores | None = None) -> None:
+    def __init__(
+        self, settings: LookupSettings, scores: SourceScores | None = None, suffix: SuffixCandidates | None = None
+    ) -> None:
         self.settings = settings
         self.scores = scores if scores is not None else SourceScores()
         self.ngram_cache = NgramCache(settings.ngram_cache_order) if settings.ngram_cache_num_tokens else None
-        self.proposed: list[tuple[str, list[int]]] = []  # (kind, chain) merged into the latest tree
+        self.suffix = suffix
+        self.proposed: list[tuple[str, list[int]]] = []  # (kind, chain) merged into the latest tree (and learnt)
+        self.streak = False  # whether the last verified tree accepted a suffix-cache chain whole
+        self.long_chain = 0  # then: the longest suffix-cache chain of this tree (see `TreeCandidateGenerator`)
 
     def add_to(self, tree: DraftTree, sequence: torch.LongTensor) -> None:
         """Merge every source's chains for the committed `sequence` [T] (its last token is the root) into `tree`."""
@@ -166,19 +208,61 @@ class FreeCandidates:
                 s.prompt_lookup_branches,
             )  # fmt: skip
             self.proposed += [(f"prompt_lookup:{n}", chain) for n, chain in chains]
+        text = sequence.tolist() if self.ngram_cache is not None or self.suffix is not None else []
         if self.ngram_cache is not None:
-            text = sequence.tolist()
             self.ngram_cache.update(text)
             chain = self.ngram_cache.chain(text, s.ngram_cache_num_tokens)
             self.proposed += [("ngram_cache", chain)] if chain else []
         for kind, chain in self.proposed:
             tree.merge_chain(chain, self.scores.log_rates(kind, len(chain)), kind.partition(":")[0])
+        for proposal in self.suffix.propose(text) if self.suffix is not None else []:
+            self._merge_tree(tree, proposal)
+        suffix_chains = [len(chain) for kind, chain in self.proposed if kind.startswith("suffix")]
+        self.long_chain = max(suffix_chains, default=0) if self.streak else 0
 
-    def record(self, tree: DraftTree, path: torch.LongTensor) -> None:
+    def _merge_tree(self, tree: DraftTree, proposal: Proposal) -> None:
+        """Merge a suffix-cache tree: its most frequent branch is learnt (and scored) as a chain of its kind; a
+        node off it scores its parent's score, plus the kind's learnt log rate at its depth, plus the log of its
+        frequency relative to its most frequent sibling."""
+        nodes = proposal.nodes
+        depth, score, ratio, top_child = [0] * len(nodes), [0.0] * len(nodes), [1.0] * len(nodes), {}
+        for i, (_, parent, prob) in enumerate(nodes):
+            depth[i] = depth[parent] + 1 if parent >= 0 else 1
+            ratio[i] = prob / (nodes[parent][2] if parent >= 0 else 1.0)
+            top_child.setdefault(parent, i)  # nodes come best first: a parent's first child is its most frequent
+        rates = self.scores.log_rates(proposal.kind, max(depth))
+        leaves = set(range(len(nodes))) - {parent for _, parent, _ in nodes}
+        for i, (_, parent, _) in enumerate(nodes):
+            gain = rates[depth[i] - 1] - (rates[depth[i] - 2] if depth[i] > 1 else 0.0)
+            relative = ratio[i] / ratio[top_child[parent]]
+            score[i] = (score[parent] if parent >= 0 else 0.0) + gain + math.log(relative)
+        source = proposal.kind.partition(":")[0]
+        for leaf in sorted(leaves):
+            path = [leaf]
+            while nodes[path[-1]][1] >= 0:
+                path.append(nodes[path[-1]][1])
+            path.reverse()
+            tree.merge_chain([nodes[i][0] for i in path], [score[i] for i in path], source)
+        main, node = [], top_child.get(-1)
+        while node is not None:
+            main.append(nodes[node][0])
+            node = top_child.get(node)
+        self.proposed.append((proposal.kind, main))
+
+    def record(self, tree: DraftTree, path: torch.LongTensor, eos_token_ids: set[int] = frozenset()) -> None:
         """Learn from the verified (pruned) tree and its accepted path how far each proposed chain got."""
+        if self.suffix is not None:
+            self.suffix.accepted(tree.tokens[path].tolist(), eos_token_ids)
         if not self.proposed:
             return
         children = {(p, t): i for i, (p, t) in enumerate(zip(tree.parents.tolist(), tree.tokens.tolist()))}
         accepted = tree.tokens[path].tolist()
+        self.streak = False
         for kind, chain in self.proposed:
             self.scores.record(kind, chain, children, accepted)
+            self.streak |= kind.startswith("suffix") and accepted[: len(chain)] == chain
+
+    def finish(self, sequence: torch.LongTensor) -> None:
+        """The call's whole committed text [T], for the suffix store (else it keeps the text up to the last draft)."""
+        if self.suffix is not None:
+            self.suffix.finish(sequence.tolist())

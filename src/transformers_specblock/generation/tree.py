@@ -13,7 +13,7 @@ import torch
 
 from ..utils import additive_mask
 
-SOURCE_BITS = {"drafter": 1, "prompt_lookup": 2, "ngram_cache": 4}
+SOURCE_BITS = {"drafter": 1, "prompt_lookup": 2, "ngram_cache": 4, "suffix_cache": 8, "suffix_local": 16}
 """Candidate sources a tree node can come from (a node several sources proposed carries several bits)."""
 
 

@@ -1,5 +1,5 @@
 """The base of the tree candidate generators: a drafter KV cache kept across iterations, context read lazily, free
-candidates (prompt lookup, n-gram cache) merged into every tree before it is pruned to the budget."""
+candidates (prompt lookup, n-gram cache, suffix cache) merged into every tree before it is pruned to the budget."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from transformers.generation.candidate_generator import CandidateGenerator
 from ...models.tree_drafter.configuration_tree_drafter import AUTO
 from ...models.tree_drafter.modeling_tree_drafter import TreeDraftModel
 from ...utils import sync
-from ..lookup import FreeCandidates, LookupSettings, source_scores_for
+from ..lookup import free_candidates_for
 from ..tree import SOURCE_BITS, DraftTree
 
 
@@ -51,8 +51,9 @@ class TreeCandidateGenerator(CandidateGenerator):
         self.queued: list[tuple[torch.Tensor, torch.LongTensor]] = []  # (features [P, 3H], next tokens [P])
         self.queued_first_position = 0
         self.has_read = False  # whether the drafter has read any context yet
-        lookup = LookupSettings.from_config(drafter.config)
-        self.free_candidates = FreeCandidates(lookup, source_scores_for(drafter, lookup)) if lookup.enabled else None
+        self.free_candidates = free_candidates_for(drafter)
+        eos = getattr(drafter.config, "eos_token_id", None)
+        self.eos_token_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
         # online adaptation (`generation.adaptation`) turns these on: which drafter state gave each drafted node's
         # distribution, the drafter's unpruned tree, and the last committed positions (for replaying them)
         self.keep_producers = False
@@ -102,16 +103,21 @@ class TreeCandidateGenerator(CandidateGenerator):
     def draft_tree(self, sequence: torch.LongTensor, with_drafter: bool = True) -> DraftTree:
         """The drafter's tree for the committed tokens `sequence` [T] (the last one is the root), with the free
         candidates merged in, pruned to `tree_budget` drafted nodes; without the drafter, the free candidates alone
-        (no drafter call)."""
+        (no drafter call). Under tree_budget="auto", a suffix-cache chain following one the target accepted whole
+        may go past the budget (up to the largest candidate): a long copy keeps being verified long."""
         root = int(sequence[-1])
         self.producers = []
         tree = self.grow_tree(root) if with_drafter else DraftTree.root_only(root, self.drafter.device)
         self.drafted = tree if self.keep_producers and with_drafter else None
+        budget = self.tree_budget
         if self.free_candidates is not None:
             start = time.perf_counter()
             self.free_candidates.add_to(tree, sequence)
             self._account(start, forwards=0)
-        return tree.prune(self.tree_budget)
+            if self.drafter.config.tree_budget == AUTO:  # a stretch being copied is verified whole, past the budget
+                largest = max(self.drafter.config.auto_budget_candidates)
+                budget = max(budget, min(self.free_candidates.long_chain, largest))
+        return tree.prune(budget)
 
     def note_producers(
         self, nodes: torch.LongTensor, states: torch.Tensor, root_slots: torch.LongTensor | None = None
@@ -129,7 +135,12 @@ class TreeCandidateGenerator(CandidateGenerator):
         for source, bit in SOURCE_BITS.items():
             self.stats.accepted_by_source[source] += int(((accepted & bit) > 0).sum())
         if self.free_candidates is not None:
-            self.free_candidates.record(tree, path)
+            self.free_candidates.record(tree, path, self.eos_token_ids)
+
+    def finish(self, sequence: torch.LongTensor) -> None:
+        """The call is over: `sequence` [T] is its whole committed text (the suffix store remembers it)."""
+        if self.free_candidates is not None:
+            self.free_candidates.finish(sequence)
 
     def get_candidates(self, input_ids: torch.LongTensor, **kwargs) -> tuple[torch.LongTensor, None]:
         """`CandidateGenerator` API: the drafted tree's tokens in topological order after `input_ids`.

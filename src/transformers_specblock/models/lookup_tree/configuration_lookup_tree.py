@@ -1,4 +1,4 @@
-"""Configuration of the drafter-less lookup tree: prompt lookup and an n-gram cache as a tree of their own."""
+"""Configuration of the drafter-less lookup tree: prompt lookup, an n-gram cache and the suffix cache as a tree."""
 
 from __future__ import annotations
 
@@ -15,8 +15,9 @@ class LookupTreeConfig(TreeDrafterConfig):
     Passed as `assistant_model`, a lookup tree makes `generate` verify a TREE of prompt-lookup chains (several
     matches, several branches) and n-gram-cache chains in one target forward, where transformers' own prompt lookup
     verifies one chain. The free-candidate and budget settings are [`TreeDrafterConfig`]'s; here prompt lookup is on
-    by default (10 tokens per chain, up to 4 chains of 3- to 1-gram matches) with the n-gram cache (8 tokens), and
-    the budget is "auto" (no tree at all where lookups are not accepted). The target-shape fields only record which
+    by default (10 tokens per chain, up to 4 chains of 3- to 1-gram matches) with the n-gram cache (8 tokens) and the
+    suffix cache (a tree of up to 32 nodes from the requests this lookup tree object served before), and the budget
+    is "auto" (no tree at all where lookups are not accepted). The target-shape fields only record which
     vocabulary the tree is for: a lookup tree works with any causal LM of that vocabulary.
     """
 
@@ -28,19 +29,19 @@ class LookupTreeConfig(TreeDrafterConfig):
         tree_budget: int | str = AUTO,
         prompt_lookup_num_tokens: int = 10,
         ngram_cache_num_tokens: int = 8,
+        suffix_cache_num_tokens: int = 32,
         **kwargs: Any,
     ) -> None:
         super().__init__(
             tree_budget=tree_budget, prompt_lookup_num_tokens=prompt_lookup_num_tokens,
-            ngram_cache_num_tokens=ngram_cache_num_tokens, **kwargs,
+            ngram_cache_num_tokens=ngram_cache_num_tokens, suffix_cache_num_tokens=suffix_cache_num_tokens, **kwargs,
         )  # fmt: skip
 
     def validate_settings(self) -> None:
         super().validate_settings()
-        if not self.prompt_lookup_num_tokens and not self.ngram_cache_num_tokens:
-            raise ValueError(
-                "A lookup tree needs a candidate source: set prompt_lookup_num_tokens and/or ngram_cache_num_tokens > 0."
-            )
+        sources = ("prompt_lookup_num_tokens", "ngram_cache_num_tokens", "suffix_cache_num_tokens", "suffix_local_num_tokens")
+        if not any(getattr(self, name) for name in sources):
+            raise ValueError(f"A lookup tree needs a candidate source: set one of {', '.join(sources)} > 0.")
 
     @classmethod
     def from_target_config(cls, target_config: PretrainedConfig, **overrides: Any) -> "LookupTreeConfig":

@@ -70,6 +70,17 @@ class TreeDrafterConfig(PretrainedConfig):
         ngram_cache_num_tokens: Free candidates from a per-sequence n-gram cache (0 = off): a chain of up to this many
             tokens, walking what most often followed each `ngram_cache_order`-gram of the committed text.
         ngram_cache_order: Tokens of context of the n-gram cache.
+        suffix_cache_num_tokens: Free candidates from the suffix cache (0 = off): a bounded memory of the prompts and
+            answers this drafter object served, shared by all its calls (`generation.suffix_cache`); each step the
+            longest earlier occurrence of the text's end proposes a frequency-scored tree of up to this many nodes.
+        suffix_local_num_tokens: The same matching within the current prompt and answer (0 = off).
+        suffix_cache_spec_factor: A suffix-cache tree has at most this many nodes per matched token (SuffixDecoding's
+            `max_spec_factor`): a long match is drafted long.
+        suffix_cache_min_token_prob: Suffix-cache nodes whose frequency-estimated probability falls below this are
+            left out.
+        suffix_cache_max_tokens / suffix_cache_max_requests: Bounds of the memory (tokens and requests kept; the
+            oldest requests are evicted first). It is never saved with the drafter (it holds users' text):
+            `suffix_cache_for(drafter).save(path)` writes it when asked.
         Free candidates cost no drafter call; their nodes are scored by the acceptance rate each source earned in
         this `generate` call, so pruning to `tree_budget` (and "auto") weighs them with the drafter's nodes.
         online_adaptation: Learn from the verifier while serving (`generation.adaptation`): "off" (default); "always"
@@ -121,6 +132,12 @@ class TreeDrafterConfig(PretrainedConfig):
         prompt_lookup_branches: int = 4,
         ngram_cache_num_tokens: int = 0,
         ngram_cache_order: int = 2,
+        suffix_cache_num_tokens: int = 0,
+        suffix_local_num_tokens: int = 0,
+        suffix_cache_spec_factor: float = 1.0,
+        suffix_cache_min_token_prob: float = 0.1,
+        suffix_cache_max_tokens: int = 65536,
+        suffix_cache_max_requests: int = 256,
         online_adaptation: str = "off",
         adaptation_learning_rate: float = 2e-2,
         adaptation_head_learning_rate: float = 1e-3,
@@ -162,6 +179,12 @@ class TreeDrafterConfig(PretrainedConfig):
         self.prompt_lookup_branches = prompt_lookup_branches
         self.ngram_cache_num_tokens = ngram_cache_num_tokens
         self.ngram_cache_order = ngram_cache_order
+        self.suffix_cache_num_tokens = suffix_cache_num_tokens
+        self.suffix_local_num_tokens = suffix_local_num_tokens
+        self.suffix_cache_spec_factor = suffix_cache_spec_factor
+        self.suffix_cache_min_token_prob = suffix_cache_min_token_prob
+        self.suffix_cache_max_tokens = suffix_cache_max_tokens
+        self.suffix_cache_max_requests = suffix_cache_max_requests
         self.online_adaptation = online_adaptation
         self.adaptation_learning_rate = adaptation_learning_rate
         self.adaptation_head_learning_rate = adaptation_head_learning_rate
@@ -212,6 +235,10 @@ class TreeDrafterConfig(PretrainedConfig):
             "prompt_lookup_branches": (self.prompt_lookup_branches, 1),
             "ngram_cache_num_tokens": (self.ngram_cache_num_tokens, 0),
             "ngram_cache_order": (self.ngram_cache_order, 1),
+            "suffix_cache_num_tokens": (self.suffix_cache_num_tokens, 0),
+            "suffix_local_num_tokens": (self.suffix_local_num_tokens, 0),
+            "suffix_cache_max_tokens": (self.suffix_cache_max_tokens, 1),
+            "suffix_cache_max_requests": (self.suffix_cache_max_requests, 1),
         }
         for name, (value, least) in counts.items():
             if not isinstance(value, int) or isinstance(value, bool) or value < least:
@@ -221,6 +248,12 @@ class TreeDrafterConfig(PretrainedConfig):
                 f"prompt_lookup_min_ngram_size ({self.prompt_lookup_min_ngram_size}) must not exceed "
                 f"prompt_lookup_max_ngram_size ({self.prompt_lookup_max_ngram_size})."
             )
+
+        factor, least_prob = self.suffix_cache_spec_factor, self.suffix_cache_min_token_prob
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor > 0:
+            raise ValueError(f"suffix_cache_spec_factor must be a number > 0, got {factor!r}.")
+        if isinstance(least_prob, bool) or not isinstance(least_prob, (int, float)) or not 0 <= least_prob <= 1:
+            raise ValueError(f"suffix_cache_min_token_prob must be a probability in [0, 1], got {least_prob!r}.")
 
     def _validate_adaptation_settings(self) -> None:
         if self.online_adaptation not in ADAPTATION_POLICIES:
