@@ -24,6 +24,7 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from transformers.utils import logging
 
+from ..generation.op_counter import OpCounts, count_ops
 from ..models.tree_drafter.modeling_tree_drafter import TreeDraftModel
 from ..utils import import_pyplot
 from .exactness import NEAR_TIE_GAP, first_divergence, float32_copy
@@ -68,6 +69,8 @@ class PromptResult:
     # greedy outputs that left the reference: first differing new token, float32 |logit gap| of the two tokens there
     divergence_position: int | None = None
     fp32_gap: float | None = None
+    # count_ops: one more untimed call under `op_counter.count_ops`: loop iterations, aten ops and host syncs per region
+    op_counts: dict[str, int] | None = None
 
 
 @dataclass
@@ -104,6 +107,7 @@ class BenchmarkResults:
                 "identical_to_reference": None if self.settings.get("do_sample") else not left,
                 "left_greedy": None if self.settings.get("do_sample") else len(left),
                 "max_fp32_gap": max(gaps) if gaps else None,
+                "ops_per_iter": _ops_per_iter(mine),
                 "num_prompts": len(mine),
             }
         return out
@@ -122,6 +126,18 @@ def _tokens_per_call(rows: list[PromptResult]) -> float | None:
     """New tokens per target forward, prefill included: tau's analogue for every method, chains too (plain: ~1)."""
     counted = [r for r in rows if r.target_calls]  # rows of older runs have no count
     return sum(r.new_tokens for r in counted) / sum(r.target_calls for r in counted) if counted else None
+
+
+def _ops_per_iter(rows: list[PromptResult]) -> dict[str, float] | None:
+    """aten ops and host syncs per loop iteration (target forward, drafting, the rest), over every counted prompt."""
+    counted = [r.op_counts for r in rows if r.op_counts]
+    if not counted:
+        return None
+    total = OpCounts(iterations=sum(c["iterations"] for c in counted))
+    for c in counted:
+        total.ops.update({k.removesuffix("_ops"): v for k, v in c.items() if k.endswith("_ops")})
+        total.syncs.update({k.removesuffix("_syncs"): v for k, v in c.items() if k.endswith("_syncs")})
+    return total.per_iteration()
 
 
 def _time_split(trees: list[PromptResult], iters: int) -> dict[str, float] | None:
@@ -197,6 +213,7 @@ def run_benchmark(
     output_dir: str | Path | None = None,
     warmup_tokens: int = 32,
     measure_near_ties: bool = True,
+    count_ops: bool = False,
     **generate_kwargs: Any,
 ) -> BenchmarkResults:
     """Run the reference and every method on each prompt (interleaved); resumable through `output_dir`.
@@ -208,9 +225,13 @@ def run_benchmark(
     position and the float32 logit gap of the two tokens there, measured untimed with the target itself (float32) or,
     for a 16-bit target, with one float32 copy made before the first prompt (so every method's peak memory includes
     that copy alike). A gap above `exactness.NEAR_TIE_GAP` is logged as a warning: not explained by round-off.
+
+    `count_ops`: each method runs each prompt once more, untimed, under `op_counter.count_ops` (aten ops and host
+    syncs per iteration inside the target forward, in drafting and in the rest of the loop: `ops_per_iter`).
     """
     settings = {"max_new_tokens": max_new_tokens, "do_sample": do_sample, "seed": seed, **generate_kwargs}
     settings |= {"methods": [REFERENCE] + [m.name for m in methods], "num_prompts": len(prompts)}
+    settings["count_ops"] = count_ops
     measured = measure_near_ties and not do_sample and target.dtype in FLOAT_DTYPES
     settings["near_tie_gap"] = NEAR_TIE_GAP if measured else None  # the largest float32 gap counted as a near-tie
     results = BenchmarkResults(settings=settings)
@@ -272,12 +293,24 @@ def run_benchmark(
                         f"{method.name} left plain greedy on prompt {prompt_id} at new token {divergence.position} "
                         f"with a float32 logit gap of {divergence.fp32_gap:.3g} (> {NEAR_TIE_GAP}): not a near-tie."
                     )
+            if count_ops:  # untimed, after everything else was measured
+                result.op_counts = _counted_run(target, inputs, method, max_new_tokens, do_sample, seed, generate_kwargs)
             new_rows.append(result)
         results.prompts += new_rows
         if log is not None:
             with log.open("a") as sink:
                 sink.writelines(json.dumps(asdict(r)) + "\n" for r in new_rows)
     return results
+
+
+def _counted_run(target: PreTrainedModel, inputs, method: Method, max_new_tokens: int, do_sample: bool, seed: int,
+                 generate_kwargs: dict[str, Any]) -> dict[str, int]:  # fmt: skip
+    """The same call once more under `count_ops`: its iterations, and aten ops / host syncs per region."""
+    torch.manual_seed(seed)
+    with count_ops(target) as counts:
+        _generate(target, inputs, method, max_new_tokens, do_sample, generate_kwargs)
+    return {"iterations": counts.iterations, **{f"{k}_ops": v for k, v in counts.ops.items()},
+            **{f"{k}_syncs": v for k, v in counts.syncs.items()}}  # fmt: skip
 
 
 def write_report(results: BenchmarkResults, output_dir: str | Path) -> None:
@@ -303,6 +336,15 @@ def markdown_tables(payload: dict[str, Any]) -> str:
         lines += [f"left_greedy: greedy outputs that differ from plain `generate`; max_fp32_gap: the largest float32 "
                   "logit gap between the two tokens where they first differ (a near-tie, round-off in 16-bit, up to "
                   f"{payload['settings']['near_tie_gap']}).", ""]  # fmt: skip
+    counted = {m: row["ops_per_iter"] for m, row in payload["methods"].items() if row.get("ops_per_iter")}
+    if counted:
+        keys = ["target_ops", "drafting_ops", "loop_ops", "outside_ops", "drafting_syncs", "loop_syncs", "outside_syncs"]
+        lines += ["### aten ops and host syncs per iteration (count_ops)", "",
+                  "| method | " + " | ".join(keys) + " | drafter_forwards_per_iter |", "|---" * (len(keys) + 2) + "|"]
+        for method, row in counted.items():
+            forwards = payload["methods"][method]["drafter_forwards_per_iter"]
+            lines.append(f"| {method} | " + " | ".join(_fmt(row[k]) for k in keys) + f" | {_fmt(forwards)} |")
+        lines.append("")
     for title, block in [("all prompts", payload["methods"])] + list(payload["per_category"].items()):
         lines += [f"### {title}", "", "| method | " + " | ".join(columns) + " |", "|---" * (len(columns) + 1) + "|"]
         for method, row in block.items():

@@ -127,6 +127,11 @@ class BenchArguments:
                   "two tokens there (columns left_greedy, max_fp32_gap; a 16-bit target gets one float32 copy for "
                   "it). --no_near_ties skips it (and the copy's memory)."},
     )
+    count_ops: bool = field(
+        default=False,
+        metadata={"help": "Also run every method once more per prompt, untimed, counting aten ops (kernel launches) "
+                  "and host syncs per iteration inside the target forward, in drafting and in the rest of the loop."},
+    )
 
 
 def default_drafter_name(kind: str, target_model: str) -> str:
@@ -257,7 +262,7 @@ def bench_main(argv: Sequence[str] | None = None) -> None:
     results = run_benchmark(
         target, tokenizer, prompts, methods, max_new_tokens=args.max_new_tokens, do_sample=args.do_sample,
         seed=args.seed, output_dir=args.output_dir, warmup_tokens=args.warmup_tokens,
-        measure_near_ties=args.near_ties, **sampling,
+        measure_near_ties=args.near_ties, count_ops=args.count_ops, **sampling,
     )  # fmt: skip
     results.settings |= {"target_model": args.target_model, "dataset": args.dataset}
     results.settings |= {"device": str(target.device), "dtype": str(target.dtype).removeprefix("torch.")}
