@@ -58,7 +58,7 @@ else
 fi
 
 # (b) the three SmolLM2 drafters side by side for the same GPU minutes (converts the target first)
-step "training specblock, eagle3, dflash for $TRAIN_MINUTES min each (gpu_train_drafters.sh ${TRAIN[0]})"
+step "training specblock, eagle3, dflash side by side (gpu_train_drafters.sh ${TRAIN[*]:0:1}: $([ "$MODE" = smoke ] && echo "its smoke budgets" || echo "$TRAIN_MINUTES min each"))"
 PYTHON=$PY OMP_NUM_THREADS=${OMP_NUM_THREADS:-4} bash "$REPO/examples/gpu_train_drafters.sh" "${TRAIN[@]}" \
   > "$OUT/train.log" 2>&1 || step "training FAILED (see train.log)"
 tail -n 12 "$OUT/train.log" | tee -a "$LOG"
