@@ -4,8 +4,8 @@
 # in bfloat16 with its aten-op / host-sync counts per iteration (--count_ops), with the shipped (CPU-trained) drafters
 # and the GPU-trained ones (wall clock around a device sync: what CUDA events would measure for a whole call).
 #
-#   examples/gpu_session.sh full  BUNDLE WORK OUT [TRAIN_MINUTES]   # on the GPU machine
-#   examples/gpu_session.sh smoke BUNDLE WORK OUT                   # anywhere (a CPU: a few minutes), tiny budgets
+#   examples/gpu_session.sh full  BUNDLE WORK OUT [TRAIN_MINUTES] [SECONDS]  # on the GPU machine (SECONDS: 530)
+#   examples/gpu_session.sh smoke BUNDLE WORK OUT [TRAIN_MINUTES] [SECONDS]  # anywhere (an idle CPU: a few minutes)
 #   examples/gpu_session.sh bundle BUNDLE                           # here, with the assets installed: write BUNDLE
 #
 # BUNDLE is gpu_train_drafters.sh's (SmolLM2 GGUF pieces, tokenizer, ShareGPT) plus the prompt sets this script reads
@@ -33,10 +33,10 @@ EOF
   exit 0
 fi
 MODE=$1 BUNDLE=$(realpath "$2") WORK=$(mkdir -p "$3" && realpath "$3") OUT=$(mkdir -p "$4" && realpath "$4")
-TRAIN_MINUTES=${5:-1.5}
+TRAIN_MINUTES=${5:-1.5} LIMIT=${6:-530}  # the whole session's seconds (9 minutes less a margin)
 export XDG_CACHE_HOME=$WORK/cache PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 DEVICE=$($PY -c "import torch; print('cuda' if torch.cuda.is_available() else 'cpu')")
-LOG=$OUT/session.log START=$(date +%s) LIMIT=${LIMIT:-530}  # seconds for the whole session (9 minutes less a margin)
+LOG=$OUT/session.log START=$(date +%s)
 step() { echo "== $(date -u +%T) +$(($(date +%s) - START))s $*" | tee -a "$LOG"; }
 bench() {  # run name, seconds at most (cut to what is left), then specblock-bench arguments
   local name=$1 cap=$2 left=$((LIMIT - $(date +%s) + START)); shift 2
@@ -50,10 +50,10 @@ bench() {  # run name, seconds at most (cut to what is left), then specblock-ben
 }
 step "mode $MODE on $DEVICE: $($PY -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)')"
 if [ "$MODE" = smoke ]; then
-  PROMPTS=2 TOKENS=12 CAP=300 TRAIN=(smoke "$BUNDLE" "$WORK/train" "$OUT/train")
+  PROMPTS=1 TOKENS=12 WARMUP=4 CAP=$((LIMIT / 4)) TRAIN=(smoke "$BUNDLE" "$WORK/train" "$OUT/train")
   TARGET=$WORK/train/random-smollm2
 else
-  PROMPTS=4 TOKENS=96 CAP=100 TRAIN=(full "$BUNDLE" "$WORK/train" "$OUT/train" "$TRAIN_MINUTES" 45)
+  PROMPTS=4 TOKENS=96 WARMUP=16 CAP=100 TRAIN=(full "$BUNDLE" "$WORK/train" "$OUT/train" "$TRAIN_MINUTES" 45)
   TARGET=$WORK/train/cache/transformers_specblock/models/smollm2-135m-instruct
 fi
 
@@ -61,12 +61,12 @@ fi
 step "training specblock, eagle3, dflash side by side (gpu_train_drafters.sh ${TRAIN[*]:0:1}: $([ "$MODE" = smoke ] && echo "its smoke budgets" || echo "$TRAIN_MINUTES min each"))"
 PYTHON=$PY OMP_NUM_THREADS=${OMP_NUM_THREADS:-4} bash "$REPO/examples/gpu_train_drafters.sh" "${TRAIN[@]}" \
   > "$OUT/train.log" 2>&1 || step "training FAILED (see train.log)"
-tail -n 12 "$OUT/train.log" | tee -a "$LOG"
+grep -E "^== |done|FAILED" "$OUT/train.log" | tee -a "$LOG" || true
 
 # (a) every method on SmolLM2-135M in bfloat16, the shipped (CPU-trained) drafters, then the GPU-trained ones
 SHIPPED=(--specblock_model specblock-smollm2-135m-instruct --eagle3_model eagle3-smollm2-135m-instruct
   --dflash_model dflash-smollm2-135m-instruct)
-COMMON=(--target_model "$TARGET" --dtype bfloat16 --max_new_tokens "$TOKENS" --num_prompts "$PROMPTS" --warmup_tokens 16)
+COMMON=(--target_model "$TARGET" --dtype bfloat16 --max_new_tokens "$TOKENS" --num_prompts "$PROMPTS" --warmup_tokens "$WARMUP")
 MT=(--dataset "$BUNDLE/prompts/mt_bench.jsonl") HE=(--dataset "$BUNDLE/prompts/humaneval.jsonl")
 bench smollm2-mt_bench "$CAP" "${COMMON[@]}" "${SHIPPED[@]}" "${MT[@]}" \
   --methods plain,prompt_lookup,lookup_tree,eagle3,specblock,dflash,dflash_chain
