@@ -121,6 +121,8 @@ class SpecBlockCandidateGenerator(TreeCandidateGenerator):
                 self.note_producers(nodes, rnd.hidden[block_of, slot_of], slot_of if round_idx == 0 else None)
             if round_idx == self.max_blocks - 1:
                 break
+            if nodes.numel() == 0:  # every slot ended its branch (width 0): nothing to follow up
+                break
             # follow-up blocks start from the best-scoring leaves of this round (chain ends and siblings)
             leaf_scores = torch.where(leaf, tree.scores[nodes], float("-inf"))
             top = leaf_scores.topk(min(self.max_followups, nodes.numel())).indices  # leaves first, best first
