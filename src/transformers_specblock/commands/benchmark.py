@@ -227,7 +227,8 @@ def run_benchmark(
     that copy alike). A gap above `exactness.NEAR_TIE_GAP` is logged as a warning: not explained by round-off.
 
     `count_ops`: each method runs each prompt once more, untimed, under `op_counter.count_ops` (aten ops and host
-    syncs per iteration inside the target forward, in drafting and in the rest of the loop: `ops_per_iter`).
+    syncs per iteration inside the target forward, in drafting and in the rest of the loop: `ops_per_iter`). With
+    `tree_budget="auto"` that call goes on from the chooser's state, so it may draft other budgets than the timed one.
     """
     settings = {"max_new_tokens": max_new_tokens, "do_sample": do_sample, "seed": seed, **generate_kwargs}
     settings |= {"methods": [REFERENCE] + [m.name for m in methods], "num_prompts": len(prompts)}
