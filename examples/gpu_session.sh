@@ -50,15 +50,18 @@ bench() {  # run name, seconds at most (cut to what is left), then specblock-ben
 }
 step "mode $MODE on $DEVICE: $($PY -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)')"
 if [ "$MODE" = smoke ]; then
-  PROMPTS=1 TOKENS=12 WARMUP=4 CAP=$((LIMIT / 4)) TRAIN=(smoke "$BUNDLE" "$WORK/train" "$OUT/train")
+  PROMPTS=1 TOKENS=12 WARMUP=4 CAP=$((LIMIT / 4))
+  TRAIN=(smoke "$BUNDLE" "$WORK/train" "$OUT/train")
   TARGET=$WORK/train/random-smollm2
 else
-  PROMPTS=4 TOKENS=96 WARMUP=16 CAP=100 TRAIN=(full "$BUNDLE" "$WORK/train" "$OUT/train" "$TRAIN_MINUTES" 45)
+  PROMPTS=4 TOKENS=96 WARMUP=16 CAP=100
+  TRAIN=(full "$BUNDLE" "$WORK/train" "$OUT/train" "$TRAIN_MINUTES" 45)
   TARGET=$WORK/train/cache/transformers_specblock/models/smollm2-135m-instruct
 fi
 
 # (b) the three SmolLM2 drafters side by side for the same GPU minutes (converts the target first)
-step "training specblock, eagle3, dflash side by side (gpu_train_drafters.sh ${TRAIN[*]:0:1}: $([ "$MODE" = smoke ] && echo "its smoke budgets" || echo "$TRAIN_MINUTES min each"))"
+BUDGET=$([ "$MODE" = smoke ] && echo "its smoke budgets" || echo "$TRAIN_MINUTES min each")
+step "training specblock, eagle3, dflash side by side (gpu_train_drafters.sh ${TRAIN[0]}: $BUDGET)"
 PYTHON=$PY OMP_NUM_THREADS=${OMP_NUM_THREADS:-4} bash "$REPO/examples/gpu_train_drafters.sh" "${TRAIN[@]}" \
   > "$OUT/train.log" 2>&1 || step "training FAILED (see train.log)"
 grep -E "^== |done|FAILED" "$OUT/train.log" | tee -a "$LOG" || true
@@ -66,7 +69,8 @@ grep -E "^== |done|FAILED" "$OUT/train.log" | tee -a "$LOG" || true
 # (a) every method on SmolLM2-135M in bfloat16, the shipped (CPU-trained) drafters, then the GPU-trained ones
 SHIPPED=(--specblock_model specblock-smollm2-135m-instruct --eagle3_model eagle3-smollm2-135m-instruct
   --dflash_model dflash-smollm2-135m-instruct)
-COMMON=(--target_model "$TARGET" --dtype bfloat16 --max_new_tokens "$TOKENS" --num_prompts "$PROMPTS" --warmup_tokens "$WARMUP")
+COMMON=(--target_model "$TARGET" --dtype bfloat16 --max_new_tokens "$TOKENS" --num_prompts "$PROMPTS"
+  --warmup_tokens "$WARMUP")
 MT=(--dataset "$BUNDLE/prompts/mt_bench.jsonl") HE=(--dataset "$BUNDLE/prompts/humaneval.jsonl")
 bench smollm2-mt_bench "$CAP" "${COMMON[@]}" "${SHIPPED[@]}" "${MT[@]}" \
   --methods plain,prompt_lookup,lookup_tree,eagle3,specblock,dflash,dflash_chain

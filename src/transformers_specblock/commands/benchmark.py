@@ -295,7 +295,9 @@ def run_benchmark(
                         f"with a float32 logit gap of {divergence.fp32_gap:.3g} (> {NEAR_TIE_GAP}): not a near-tie."
                     )
             if count_ops:  # untimed, after everything else was measured
-                result.op_counts = _counted_run(target, inputs, method, max_new_tokens, do_sample, seed, generate_kwargs)
+                result.op_counts = _counted_run(
+                    target, inputs, method, max_new_tokens, do_sample, seed, generate_kwargs
+                )
             new_rows.append(result)
         results.prompts += new_rows
         if log is not None:
@@ -339,7 +341,8 @@ def markdown_tables(payload: dict[str, Any]) -> str:
                   f"{payload['settings']['near_tie_gap']}).", ""]  # fmt: skip
     counted = {m: row["ops_per_iter"] for m, row in payload["methods"].items() if row.get("ops_per_iter")}
     if counted:
-        keys = ["target_ops", "drafting_ops", "loop_ops", "outside_ops", "drafting_syncs", "loop_syncs", "outside_syncs"]
+        keys = ["target_ops", "drafting_ops", "loop_ops", "outside_ops",
+                "drafting_syncs", "loop_syncs", "outside_syncs"]  # fmt: skip
         lines += ["### aten ops and host syncs per iteration (count_ops)", "",
                   "| method | " + " | ".join(keys) + " | drafter_forwards_per_iter |", "|---" * (len(keys) + 2) + "|"]
         for method, row in counted.items():

@@ -80,9 +80,9 @@ class BenchArguments:
             "specblock, specblock_fixed_tree, specblock_one_block, eagle3, lookup_tree (prompt lookup and an n-gram "
             "cache as a tree, no drafter), specblock+lookup, eagle3+lookup (the drafter's tree with those free "
             "candidates), dflash (a DFlash drafter's best-first tree), dflash_chain (the same drafter in "
-            "transformers' own speculation_type='dflash' chain), specblock_compiled / eagle3_compiled / dflash_compiled "
-            "(the drafter's forwards under torch.compile, compile_drafter=True); a tree method may name its budget, e.g. "
-            "specblock@4,specblock+lookup@auto."
+            "transformers' own speculation_type='dflash' chain), specblock_compiled / eagle3_compiled / "
+            "dflash_compiled (the drafter's forwards under torch.compile, compile_drafter=True); a tree method may "
+            "name its budget, e.g. specblock@4,specblock+lookup@auto."
         },
     )
     dataset: str = field(default="mt_bench", metadata={"help": "mt_bench, humaneval, sharegpt or a JSONL file."})

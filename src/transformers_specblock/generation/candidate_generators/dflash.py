@@ -17,7 +17,11 @@ from .base import TreeCandidateGenerator, compiled_method
 
 
 def best_first_tree(
-    root_token: int | torch.LongTensor, log_probs: torch.Tensor, token_ids: torch.LongTensor, budget: int, device: torch.device
+    root_token: int | torch.LongTensor,
+    log_probs: torch.Tensor,
+    token_ids: torch.LongTensor,
+    budget: int,
+    device: torch.device,
 ) -> DraftTree:
     """The `budget` best nodes of the tree whose depth-d children are the candidates of block position d.
 
