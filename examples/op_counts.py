@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import statistics
 from pathlib import Path
 
 import torch
@@ -35,12 +36,35 @@ RUNS = {
 }
 
 
+def time_drafting(target, tokenizer, prompts, drafters, args) -> dict:
+    """Drafting ms per iteration of SpecBlock K4x2@32 and EAGLE-3 depth8@32, interleaved per prompt (best of two)."""
+    ratios, rows = [], []
+    for row in prompts.select(range(args.num_prompts, args.num_prompts + args.time_prompts)):
+        text = tokenizer.apply_chat_template([{"role": "user", "content": row["prompt"]}], tokenize=False,
+                                             add_generation_prompt=True)  # fmt: skip
+        encoded = tokenizer(text, return_tensors="pt", add_special_tokens=False)
+        ms = {}
+        for name in ("specblock K4x2@32", "eagle3 depth8@32") * 2:
+            kind, settings = RUNS[name]
+            with drafters[kind].tree_settings(**settings), torch.no_grad():
+                target.generate(**encoded, max_new_tokens=args.max_new_tokens, do_sample=False,
+                                assistant_model=drafters[kind])  # fmt: skip
+            stats = drafters[kind].last_stats
+            ms[name] = min(ms.get(name, float("inf")), stats.drafter_time_s / stats.iterations * 1e3)
+        rows.append(ms)
+        ratios.append(ms["specblock K4x2@32"] / ms["eagle3 depth8@32"])
+    return {"specblock_over_eagle3_drafting_time": statistics.median(ratios), "drafting_ms_per_iter": rows}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--num_prompts", type=int, default=2)
     parser.add_argument("--max_new_tokens", type=int, default=48)
     parser.add_argument("--methods", default=",".join(RUNS), help=f"comma list of {list(RUNS)}")
     parser.add_argument("--output", default="out/op-counts/counts.json")
+    parser.add_argument("--time_prompts", type=int, default=0,
+                        help="also time the equal-depth pair's drafting on this many further prompts (interleaved, "
+                             "uncounted): the median per-prompt ratio of drafting ms per iteration")  # fmt: skip
     args = parser.parse_args()
     torch.set_num_threads(1)
     target, tokenizer = load_packaged_model("smollm2-135m-instruct")
@@ -76,6 +100,8 @@ def main() -> None:
     if {"specblock K4x2@32", "eagle3 depth8@32"} <= results.keys():
         ours, theirs = results["specblock K4x2@32"], results["eagle3 depth8@32"]
         claim = {"specblock_over_eagle3_drafting_ops": ours["drafting_ops"] / theirs["drafting_ops"]}
+    if args.time_prompts and claim:
+        claim |= time_drafting(target, tokenizer, prompts, drafters, args)
     payload = {
         "settings": vars(args) | {"target": "smollm2-135m-instruct", "dtype": str(target.dtype), "greedy": True},
         "hardware": describe_device(target.device),
