@@ -124,3 +124,15 @@ def test_followup_positions_setting_reaches_the_drafting_loop():
     assert not torch.equal(trees["start_node"][block1:], trees["block1"][block1:])
     for rule in outputs:
         assert outputs[rule].tolist() == plain.tolist()
+
+
+def test_a_round_where_every_slot_ends_its_branch_drafts_nothing_more():
+    """Rank classes whose widths are all 0 end every branch in block 1: no follow-up, the root alone is verified."""
+    target = make_target("llama", vocab_size=64)
+    drafter = make_drafter(target, branch_widths=[0, 0, 0, 0], max_blocks=3)
+    prompt = torch.tensor([[0, 5, 9, 17, 3, 5, 9]])
+    with torch.no_grad():
+        expected = target.generate(prompt, max_new_tokens=6, do_sample=False)
+        out = target.generate(prompt, max_new_tokens=6, do_sample=False, assistant_model=drafter)
+    assert torch.equal(out, expected)
+    assert set(drafter.last_stats.nodes_per_iteration) == {0}

@@ -127,7 +127,7 @@ def test_the_store_carries_across_calls_and_reset_forgets(one_thread):
     first = _served(target, drafter, prompt, tokens=60)
     fresh_tau = drafter.last_stats.tau
     store = suffix_cache_for(drafter)
-    assert len(store) == 1 and store.requests[0] == first[0, :-1].tolist()  # all but the last bonus token
+    assert len(store) == 1 and store.requests[0] == first[0].tolist()  # the whole text, the last bonus token too
     repeat = torch.cat([prompt, first[:, 8:20]], dim=1)  # a second request quoting the first answer
     _served(target, drafter, repeat, tokens=30)
     stats = drafter.last_stats

@@ -24,6 +24,7 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from transformers.utils import logging
 
+from ..generation.op_counter import OpCounts, count_ops
 from ..models.tree_drafter.modeling_tree_drafter import TreeDraftModel
 from ..utils import import_pyplot
 from .exactness import NEAR_TIE_GAP, first_divergence, float32_copy
@@ -68,6 +69,8 @@ class PromptResult:
     # greedy outputs that left the reference: first differing new token, float32 |logit gap| of the two tokens there
     divergence_position: int | None = None
     fp32_gap: float | None = None
+    # count_ops: one more untimed call under `op_counter.count_ops`: loop iterations, aten ops and host syncs per region
+    op_counts: dict[str, int] | None = None
 
 
 @dataclass
@@ -104,6 +107,7 @@ class BenchmarkResults:
                 "identical_to_reference": None if self.settings.get("do_sample") else not left,
                 "left_greedy": None if self.settings.get("do_sample") else len(left),
                 "max_fp32_gap": max(gaps) if gaps else None,
+                "ops_per_iter": _ops_per_iter(mine),
                 "num_prompts": len(mine),
             }
         return out
@@ -122,6 +126,18 @@ def _tokens_per_call(rows: list[PromptResult]) -> float | None:
     """New tokens per target forward, prefill included: tau's analogue for every method, chains too (plain: ~1)."""
     counted = [r for r in rows if r.target_calls]  # rows of older runs have no count
     return sum(r.new_tokens for r in counted) / sum(r.target_calls for r in counted) if counted else None
+
+
+def _ops_per_iter(rows: list[PromptResult]) -> dict[str, float] | None:
+    """aten ops and host syncs per loop iteration (target forward, drafting, the rest), over every counted prompt."""
+    counted = [r.op_counts for r in rows if r.op_counts]
+    if not counted:
+        return None
+    total = OpCounts(iterations=sum(c["iterations"] for c in counted))
+    for c in counted:
+        total.ops.update({k.removesuffix("_ops"): v for k, v in c.items() if k.endswith("_ops")})
+        total.syncs.update({k.removesuffix("_syncs"): v for k, v in c.items() if k.endswith("_syncs")})
+    return total.per_iteration()
 
 
 def _time_split(trees: list[PromptResult], iters: int) -> dict[str, float] | None:
@@ -219,6 +235,7 @@ def run_benchmark(
     warmup_tokens: int = 32,
     measure_near_ties: bool = True,
     batch_size: int = 1,
+    count_ops: bool = False,
     **generate_kwargs: Any,
 ) -> BenchmarkResults:
     """Run the reference and every method on each prompt (interleaved); resumable through `output_dir`.
@@ -234,11 +251,16 @@ def run_benchmark(
     position and the float32 logit gap of the two tokens there, measured untimed with the target itself (float32) or,
     for a 16-bit target, with one float32 copy made before the first prompt (so every method's peak memory includes
     that copy alike). A gap above `exactness.NEAR_TIE_GAP` is logged as a warning: not explained by round-off.
+
+    `count_ops`: each method runs each prompt once more, untimed, under `op_counter.count_ops` (aten ops and host
+    syncs per iteration inside the target forward, in drafting and in the rest of the loop: `ops_per_iter`). With
+    `tree_budget="auto"` that call goes on from the chooser's state, so it may draft other budgets than the timed one.
     """
     settings = {"max_new_tokens": max_new_tokens, "do_sample": do_sample, "seed": seed, **generate_kwargs}
     settings |= {"methods": [REFERENCE] + [m.name for m in methods], "num_prompts": len(prompts)}
     settings |= {"batch_size": batch_size, "refused": {}}
     measured = measure_near_ties and not do_sample and target.dtype in FLOAT_DTYPES and batch_size == 1
+    settings["count_ops"] = count_ops
     settings["near_tie_gap"] = NEAR_TIE_GAP if measured else None  # the largest float32 gap counted as a near-tie
     results = BenchmarkResults(settings=settings)
     log = Path(output_dir, "per_prompt.jsonl") if output_dir is not None else None
@@ -313,6 +335,10 @@ def run_benchmark(
                         f"{method.name} left plain greedy on prompt {prompt_id} at new token {divergence.position} "
                         f"with a float32 logit gap of {divergence.fp32_gap:.3g} (> {NEAR_TIE_GAP}): not a near-tie."
                     )
+            if count_ops:  # untimed, after everything else was measured
+                result.op_counts = _counted_run(
+                    target, inputs, method, max_new_tokens, do_sample, seed, generate_kwargs
+                )
             new_rows.append(result)
         results.prompts += new_rows
         if log is not None:
@@ -323,6 +349,14 @@ def run_benchmark(
 
 def _as_list(ids: int | list[int] | None) -> list[int]:
     return [] if ids is None else [ids] if isinstance(ids, int) else list(ids)
+def _counted_run(target: PreTrainedModel, inputs, method: Method, max_new_tokens: int, do_sample: bool, seed: int,
+                 generate_kwargs: dict[str, Any]) -> dict[str, int]:  # fmt: skip
+    """The same call once more under `count_ops`: its iterations, and aten ops / host syncs per region."""
+    torch.manual_seed(seed)
+    with count_ops(target) as counts:
+        _generate(target, inputs, method, max_new_tokens, do_sample, generate_kwargs)
+    return {"iterations": counts.iterations, **{f"{k}_ops": v for k, v in counts.ops.items()},
+            **{f"{k}_syncs": v for k, v in counts.syncs.items()}}  # fmt: skip
 
 
 def write_report(results: BenchmarkResults, output_dir: str | Path) -> None:
@@ -350,6 +384,16 @@ def markdown_tables(payload: dict[str, Any]) -> str:
                   f"{payload['settings']['near_tie_gap']}).", ""]  # fmt: skip
     for method, error in payload["settings"].get("refused", {}).items():
         lines += [f"{method}: refused at batch size {payload['settings']['batch_size']} ({error})", ""]
+    counted = {m: row["ops_per_iter"] for m, row in payload["methods"].items() if row.get("ops_per_iter")}
+    if counted:
+        keys = ["target_ops", "drafting_ops", "loop_ops", "outside_ops",
+                "drafting_syncs", "loop_syncs", "outside_syncs"]  # fmt: skip
+        lines += ["### aten ops and host syncs per iteration (count_ops)", "",
+                  "| method | " + " | ".join(keys) + " | drafter_forwards_per_iter |", "|---" * (len(keys) + 2) + "|"]
+        for method, row in counted.items():
+            forwards = payload["methods"][method]["drafter_forwards_per_iter"]
+            lines.append(f"| {method} | " + " | ".join(_fmt(row[k]) for k in keys) + f" | {_fmt(forwards)} |")
+        lines.append("")
     for title, block in [("all prompts", payload["methods"])] + list(payload["per_category"].items()):
         lines += [f"### {title}", "", "| method | " + " | ".join(columns) + " |", "|---" * (len(columns) + 1) + "|"]
         for method, row in block.items():

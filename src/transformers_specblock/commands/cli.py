@@ -80,8 +80,9 @@ class BenchArguments:
             "specblock, specblock_fixed_tree, specblock_one_block, eagle3, lookup_tree (prompt lookup and an n-gram "
             "cache as a tree, no drafter), specblock+lookup, eagle3+lookup (the drafter's tree with those free "
             "candidates), dflash (a DFlash drafter's best-first tree), dflash_chain (the same drafter in "
-            "transformers' own speculation_type='dflash' chain); a tree method may name its budget, e.g. "
-            "specblock@4,specblock+lookup@auto."
+            "transformers' own speculation_type='dflash' chain), specblock_compiled / eagle3_compiled / "
+            "dflash_compiled (the drafter's forwards under torch.compile, compile_drafter=True); a tree method may "
+            "name its budget, e.g. specblock@4,specblock+lookup@auto."
         },
     )
     dataset: str = field(default="mt_bench", metadata={"help": "mt_bench, humaneval, sharegpt or a JSONL file."})
@@ -130,6 +131,11 @@ class BenchArguments:
                   "two tokens there (columns left_greedy, max_fp32_gap; a 16-bit target gets one float32 copy for "
                   "it). --no_near_ties skips it (and the copy's memory)."},
     )
+    count_ops: bool = field(
+        default=False,
+        metadata={"help": "Also run every method once more per prompt, untimed, counting aten ops (kernel launches) "
+                  "and host syncs per iteration inside the target forward, in drafting and in the rest of the loop."},
+    )
 
 
 def default_drafter_name(kind: str, target_model: str) -> str:
@@ -172,6 +178,9 @@ TREE_METHODS = {
     "specblock+lookup": ("specblock", {"lookup": True}),
     "eagle3+lookup": ("eagle3", {"lookup": True}),
     "dflash": ("dflash", {}),
+    "specblock_compiled": ("specblock", {"compile_drafter": True}),
+    "eagle3_compiled": ("eagle3", {"compile_drafter": True}),
+    "dflash_compiled": ("dflash", {"compile_drafter": True}),
 }
 
 
@@ -260,7 +269,7 @@ def bench_main(argv: Sequence[str] | None = None) -> None:
     results = run_benchmark(
         target, tokenizer, prompts, methods, max_new_tokens=args.max_new_tokens, do_sample=args.do_sample,
         seed=args.seed, output_dir=args.output_dir, warmup_tokens=args.warmup_tokens,
-        measure_near_ties=args.near_ties, batch_size=args.batch_size, **sampling,
+        measure_near_ties=args.near_ties, batch_size=args.batch_size, count_ops=args.count_ops, **sampling,
     )  # fmt: skip
     results.settings |= {"target_model": args.target_model, "dataset": args.dataset}
     results.settings |= {"device": str(target.device), "dtype": str(target.dtype).removeprefix("torch.")}

@@ -178,6 +178,8 @@ def tree_speculative_decoding(
 
     if streamer is not None:
         streamer.end()
+    for row in rows:  # the suffix store remembers every row's whole text
+        row.generator.finish(row.committed)
     stats = loop.stats
     stats.new_tokens = sum(row.sequence.numel() for row in rows) - len(rows) * input_ids.shape[1]
     stats.drafter_forwards = sum(g.stats.drafter_forwards for g in generators)
@@ -366,7 +368,7 @@ def _draft(
     largest budget). Also returns the step's drafting seconds where they are representative of a steady step (the
     drafter read just the previous step, not a prompt or several skipped steps), else None."""
     if budget == 0 and generator.free_candidates is None:
-        return DraftTree.root_only(int(sequence[-1]), device), None
+        return DraftTree.root_only(sequence[-1], device), None
     if budget == 0:
         generator.tree_budget = largest
         return generator.draft_tree(sequence, with_drafter=False), None

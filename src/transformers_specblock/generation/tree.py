@@ -3,12 +3,17 @@
 A tree holds the last committed token as node 0 (the root) and the drafted tokens as nodes 1..N. Parents always
 come before their children, so every prefix of the node order is a valid tree. Siblings hold distinct tokens (the
 acceptors rely on it): a chain from another candidate source is merged into the nodes it agrees with.
+
+The tree's tensors live on the drafter's device and its bookkeeping makes no host round trip per node or per depth
+(on a GPU each is a sync): walks up the tree use pointer jumping, ceil(log2(N+1)) steps bounded by the node count the
+host knows, and `merge_chain` reads the tree back once per iteration (`_host`), not once per chain token.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy
 import torch
 
 from ..utils import additive_mask
@@ -26,6 +31,7 @@ class DraftTree:
     depths:  [N+1] distance to the root (root = 0)
     scores:  [N+1] cumulative draft log-probability (root = 0)
     sources: [N+1] bit mask of the candidate sources that proposed each node (`SOURCE_BITS`; root = 0)
+    depth_bound: an upper bound of every depth known on the host (None: N), so walks up the tree need no read
     """
 
     tokens: torch.LongTensor
@@ -33,20 +39,31 @@ class DraftTree:
     depths: torch.LongTensor
     scores: torch.Tensor
     sources: torch.LongTensor | None = None  # None: every drafted node is the drafter's
+    depth_bound: int | None = None
     _ancestors: torch.BoolTensor | None = field(default=None, init=False, repr=False)  # cache, reset on growth
+    # host copies of (tokens, parents, depths, scores) for `merge_chain`, kept in step by it, reset by other growth
+    _host: tuple[list[int], list[int], list[int], list[float]] | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.sources is None:
             self.sources = torch.full_like(self.tokens, SOURCE_BITS["drafter"])
             self.sources[0] = 0
+        if self.depth_bound is None:
+            self.depth_bound = len(self) - 1
 
     @classmethod
-    def root_only(cls, token: int, device: torch.device | str = "cpu") -> "DraftTree":
+    def root_only(cls, token: int | torch.Tensor, device: torch.device | str = "cpu") -> "DraftTree":
+        """The tree of the root alone; `token` an int or a one-element tensor (read without a host sync)."""
+        if isinstance(token, torch.Tensor):
+            tokens = token.reshape(1).to(device=device, dtype=torch.long)
+        else:
+            tokens = torch.tensor([token], dtype=torch.long, device=device)
         return cls(
-            tokens=torch.tensor([token], dtype=torch.long, device=device),
+            tokens=tokens,
             parents=torch.tensor([-1], dtype=torch.long, device=device),
             depths=torch.zeros(1, dtype=torch.long, device=device),
             scores=torch.zeros(1, dtype=torch.float32, device=device),
+            depth_bound=0,
         )
 
     def __len__(self) -> int:
@@ -58,20 +75,27 @@ class DraftTree:
 
     @property
     def max_depth(self) -> int:
+        """The deepest node's depth (a host read of the device)."""
         return int(self.depths.max())
+
+    def _jumps(self) -> int:
+        """Pointer-jumping steps that cover every root path: 2^steps > `depth_bound`, known on the host."""
+        return min(self.depth_bound, len(self) - 1).bit_length()
 
     def add_nodes(
         self, tokens: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor, scores: torch.Tensor,
-        source: str = "drafter",
+        source: str = "drafter", max_depth: int | None = None,
     ) -> torch.LongTensor:  # fmt: skip
-        """Append nodes (each parent must already exist or come earlier in this call); returns their indices."""
+        """Append nodes (each parent must already exist or come earlier in this call); returns their indices.
+        `max_depth`: a bound of the new depths the caller knows (e.g. its parents' bound + 1), else N is assumed."""
         first = len(self)
-        self._ancestors = None
+        self._ancestors = self._host = None
         self.tokens = torch.cat([self.tokens, tokens.to(self.tokens)])
         self.parents = torch.cat([self.parents, parents.to(self.parents)])
         self.depths = torch.cat([self.depths, depths.to(self.depths)])
         self.scores = torch.cat([self.scores, scores.to(self.scores)])
         self.sources = torch.cat([self.sources, torch.full_like(tokens, SOURCE_BITS[source]).to(self.sources)])
+        self.depth_bound = max(self.depth_bound, max_depth if max_depth is not None else len(self) - 1)
         return torch.arange(first, len(self), device=self.tokens.device)
 
     def merge_chain(self, tokens: list[int], scores: list[float], source: str, parent: int = 0) -> None:
@@ -82,48 +106,67 @@ class DraftTree:
         siblings stay distinct. `scores[i]` is the cumulative score of `tokens[i]`.
         """
         bit = SOURCE_BITS[source]
-        node = parent
+        if self._host is None:  # one read of the device per tree, however many chains merge into it
+            host = torch.stack([self.tokens.double(), self.parents.double(), self.depths.double(), self.scores.double()])
+            tokens_h, parents_h, depths_h, scores_h = host.tolist()
+            self._host = ([int(t) for t in tokens_h], [int(p) for p in parents_h], [int(d) for d in depths_h], scores_h)
+        host_tokens, host_parents, host_depths, host_scores = self._host
+        node, matched, better = parent, [], {}
         for i, (token, score) in enumerate(zip(tokens, scores)):
-            same = ((self.parents == node) & (self.tokens == token)).nonzero()
-            if same.numel() == 0:
-                rest = torch.tensor(tokens[i:], dtype=torch.long, device=self.tokens.device)
-                first = len(self)
-                chain_parents = torch.arange(first - 1, first - 1 + rest.numel(), device=rest.device)
-                chain_parents[0] = node
-                depth = int(self.depths[node]) + 1
-                depths = torch.arange(depth, depth + rest.numel(), device=rest.device)
-                self.add_nodes(rest, chain_parents, depths, torch.tensor(scores[i:]), source)
-                return
-            node = int(same[0, 0])
-            self.sources[node] |= bit
-            self.scores[node] = max(float(self.scores[node]), score)
+            same = next((j for j, (t, p) in enumerate(zip(host_tokens, host_parents)) if p == node and t == token), None)
+            if same is None:
+                break
+            node = same
+            matched.append(node)
+            if score > host_scores[node]:  # stored in float32, as the tensor keeps it
+                better[node] = host_scores[node] = float(numpy.float32(score))
+        else:
+            i = len(tokens)
+        device = self.tokens.device
+        if matched:
+            self.sources[torch.tensor(matched, device=device)] |= bit
+        if better:
+            self.scores[torch.tensor(list(better), device=device)] = torch.tensor(
+                list(better.values()), dtype=self.scores.dtype, device=device
+            )
+        rest = tokens[i:]
+        if not rest:
+            return
+        first, depth = len(self), host_depths[node] + 1
+        chain_parents = [node] + list(range(first, first + len(rest) - 1))
+        chain_depths = list(range(depth, depth + len(rest)))
+        self.add_nodes(
+            torch.tensor(rest, dtype=torch.long, device=device),
+            torch.tensor(chain_parents, device=device),
+            torch.tensor(chain_depths, device=device),
+            torch.tensor(scores[i:], dtype=self.scores.dtype, device=device),
+            source,
+            max_depth=chain_depths[-1],
+        )
+        self._host = (host_tokens + list(rest), host_parents + chain_parents, host_depths + chain_depths,
+                      host_scores + [float(numpy.float32(x)) for x in scores[i:]])  # fmt: skip
 
     def ancestor_matrix(self) -> torch.BoolTensor:
         """[N+1, N+1] with `a[i, j]` True iff node j is node i or one of its ancestors (computed once per tree:
         the verification mask and greedy acceptance both read it)."""
         if self._ancestors is not None:
             return self._ancestors
-        n = len(self)
-        idx = torch.arange(n, device=self.tokens.device)
-        anc = torch.eye(n, dtype=torch.bool, device=self.tokens.device)
-        cur = idx
-        for _ in range(self.max_depth):
-            cur = self.parents.clamp(min=0)[cur]
-            anc[idx, cur] = True
+        anc = torch.eye(len(self), dtype=torch.bool, device=self.tokens.device)
+        jump = self.parents.clamp(min=0)  # the root is its own parent
+        for _ in range(self._jumps()):  # anc[i] covers i and its first 2^step - 1 ancestors
+            anc = anc | anc[jump]
+            jump = jump[jump]
         self._ancestors = anc
         return anc
 
     def path_tokens(self) -> torch.LongTensor:
         """[N+1, max_depth] tokens on the path root->node at depths 1..depth (0-padded after the node's depth)."""
         n, d_max = len(self), self.max_depth
-        out = torch.zeros(n, d_max, dtype=torch.long, device=self.tokens.device)
-        cur = torch.arange(n, device=self.tokens.device)
-        for _ in range(d_max):
-            d = self.depths[cur]
-            live = d > 0
-            out[live, d[live] - 1] = self.tokens[cur[live]]
-            cur = torch.where(live, self.parents[cur], cur)
-        return out
+        drafted = self.ancestor_matrix() & (self.depths > 0)[None, :]  # [N+1, N+1] each node's drafted path
+        columns = (self.depths - 1).clamp(min=0)[None, :].expand(n, -1)
+        out = torch.zeros(n, max(d_max, 1), dtype=torch.long, device=self.tokens.device)
+        out.scatter_add_(1, columns, torch.where(drafted, self.tokens[None, :], 0))  # one ancestor per depth
+        return out[:, :d_max]
 
     def path_scores(self) -> torch.Tensor:
         """[N+1] each node's score capped by every ancestor's: the minimum score on the path root -> node.
@@ -132,9 +175,10 @@ class DraftTree:
         the ranking safe anyway (a NaN counts as -inf): a node never ranks above one of its ancestors.
         """
         capped = torch.nan_to_num(self.scores.float(), nan=float("-inf"))
-        parents = self.parents.clamp(min=0)
-        for _ in range(self.max_depth):
-            capped = torch.minimum(capped, capped[parents])
+        jump = self.parents.clamp(min=0)
+        for _ in range(self._jumps()):  # capped[i]: the minimum over i and its first 2^step - 1 ancestors
+            capped = torch.minimum(capped, capped[jump])
+            jump = jump[jump]
         return capped
 
     def room_below(self, scores: torch.Tensor, budget: int) -> torch.LongTensor:
@@ -161,13 +205,13 @@ class DraftTree:
         """Keep the root and the first `budget` drafted nodes of `pruning_order` (ancestors of kept nodes are kept)."""
         if self.num_drafted <= budget:
             return self
-        keep = torch.zeros(len(self), dtype=torch.bool, device=self.tokens.device)
-        keep[self.pruning_order()[: budget + 1]] = True
-        new_index = torch.cumsum(keep, 0) - 1
-        kept = keep.nonzero().squeeze(1)
+        kept = self.pruning_order()[: budget + 1].sort().values  # in node order: parents before children
+        new_index = torch.full_like(self.parents, -1).scatter_(0, kept, torch.arange(budget + 1, device=kept.device))
         parents = self.parents[kept]
         parents = torch.where(parents >= 0, new_index[parents.clamp(min=0)], parents)
-        return DraftTree(self.tokens[kept], parents, self.depths[kept], self.scores[kept], self.sources[kept])
+        return DraftTree(
+            self.tokens[kept], parents, self.depths[kept], self.scores[kept], self.sources[kept], self.depth_bound
+        )
 
     def children_of(self, node: int) -> torch.LongTensor:
         """Children of `node`, highest draft score first."""

@@ -3,8 +3,11 @@ candidates (prompt lookup, n-gram cache, suffix cache) merged into every tree be
 
 from __future__ import annotations
 
+import functools
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from transformers.generation.candidate_generator import CandidateGenerator
@@ -14,6 +17,21 @@ from ...models.tree_drafter.modeling_tree_drafter import TreeDraftModel
 from ...utils import sync
 from ..lookup import free_candidates_for
 from ..tree import SOURCE_BITS, DraftTree
+
+
+_COMPILED: dict[tuple[type, str], Callable[..., Any]] = {}  # (drafter class, method) -> compiled function
+
+
+def compiled_method(drafter: TreeDraftModel, name: str) -> Callable[..., Any]:
+    """`drafter.<name>`, under `torch.compile` when `drafter.config.compile_drafter` (inductor; CUDA graphs via
+    mode="reduce-overhead" on a GPU; dynamic shapes): compiled once per drafter class and method, for every call."""
+    if not drafter.config.compile_drafter:
+        return drafter if name == "forward" else getattr(drafter, name)  # a module's forward runs through its hooks
+    key = (type(drafter), name)
+    if key not in _COMPILED:
+        mode = "reduce-overhead" if drafter.device.type == "cuda" else None
+        _COMPILED[key] = torch.compile(getattr(type(drafter), name), dynamic=True, mode=mode)
+    return functools.partial(_COMPILED[key], drafter)
 
 
 @dataclass
@@ -96,8 +114,8 @@ class TreeCandidateGenerator(CandidateGenerator):
         is the rotary position of next_tokens[0]."""
         raise NotImplementedError
 
-    def grow_tree(self, root_token: int) -> DraftTree:
-        """The drafter's tree rooted at the last committed token (not yet pruned)."""
+    def grow_tree(self, root_token: torch.LongTensor) -> DraftTree:
+        """The drafter's tree rooted at the last committed token `root_token` ([1], on the device: no host read)."""
         raise NotImplementedError
 
     def draft_tree(self, sequence: torch.LongTensor, with_drafter: bool = True) -> DraftTree:
@@ -105,7 +123,7 @@ class TreeCandidateGenerator(CandidateGenerator):
         candidates merged in, pruned to `tree_budget` drafted nodes; without the drafter, the free candidates alone
         (no drafter call). Under tree_budget="auto", a suffix-cache chain following one the target accepted whole
         may go past the budget (up to the largest candidate): a long copy keeps being verified long."""
-        root = int(sequence[-1])
+        root = sequence[-1:]
         self.producers = []
         tree = self.grow_tree(root) if with_drafter else DraftTree.root_only(root, self.drafter.device)
         self.drafted = tree if self.keep_producers and with_drafter else None

@@ -13,22 +13,28 @@ from ...models.dflash.configuration_dflash import max_tree_nodes
 from ...models.dflash.modeling_dflash import DFlashDraftModel
 from ..cache_utils import truncate_cache
 from ..tree import DraftTree
-from .base import TreeCandidateGenerator
+from .base import TreeCandidateGenerator, compiled_method
 
 
 def best_first_tree(
-    root_token: int, log_probs: torch.Tensor, token_ids: torch.LongTensor, budget: int, device: torch.device
+    root_token: int | torch.LongTensor,
+    log_probs: torch.Tensor,
+    token_ids: torch.LongTensor,
+    budget: int,
+    device: torch.device,
 ) -> DraftTree:
     """The `budget` best nodes of the tree whose depth-d children are the candidates of block position d.
 
     log_probs / token_ids: [D, K] per-position candidates sorted by descending log-probability. A node's score is
     the sum of its path's log-probabilities; nodes are taken best first from a heap that holds, for every taken
     node, its best child and its next sibling. So the result is the top-`budget` subtree by path score, every node
-    after its parent, siblings distinct (ties go to the node pushed first).
+    after its parent, siblings distinct (ties go to the node pushed first). The candidates are read back to the
+    host once (one sync); `root_token` (an int or a one-element tensor) stays where it is.
     """
     depth, top_k = log_probs.shape
-    lp, ids = log_probs.tolist(), token_ids.tolist()
-    tokens, parents, depths, scores = [root_token], [-1], [0], [0.0]
+    lp, ids = torch.stack([log_probs.double(), token_ids.double()]).tolist()  # token ids are exact in float64
+    ids = [[int(i) for i in row] for row in ids]
+    tokens, parents, depths, scores = [0], [-1], [0], [0.0]  # the root's token is put in below
     heap = [(-lp[0][0], 0, 0, 1, 0)]  # (-score, push order, parent node, depth, rank at that depth)
     pushed = 1
     while heap and len(tokens) <= budget:
@@ -44,11 +50,13 @@ def best_first_tree(
         if level < depth:  # best child: this node's score plus the best candidate of the next position
             heapq.heappush(heap, (-(scores[node] + lp[level][0]), pushed, node, level + 1, 0))
             pushed += 1
+    root = torch.as_tensor(root_token, device=device).reshape(1).long()
     return DraftTree(
-        tokens=torch.tensor(tokens, dtype=torch.long, device=device),
+        tokens=torch.cat([root, torch.tensor(tokens[1:], dtype=torch.long, device=device)]),
         parents=torch.tensor(parents, dtype=torch.long, device=device),
         depths=torch.tensor(depths, dtype=torch.long, device=device),
         scores=torch.tensor(scores, dtype=torch.float32, device=device),
+        depth_bound=max(depths),
     )
 
 
@@ -86,7 +94,7 @@ class DFlashCandidateGenerator(TreeCandidateGenerator):
             self.pending_first_position = first_position - 1
         self.pending.append(target_features)
 
-    def grow_tree(self, root_token: int) -> DraftTree:
+    def grow_tree(self, root_token: torch.LongTensor) -> DraftTree:
         """One block forward from the last committed token, then the best-first tree (`draft_tree` prunes)."""
         start = time.perf_counter()
         drafter, device = self.drafter, self.drafter.device
@@ -100,8 +108,8 @@ class DFlashCandidateGenerator(TreeCandidateGenerator):
         self.pending.clear()
         root_position = cached + context.shape[0]
         positions = torch.arange(cached, root_position + drafter.config.block_size, device=device)
-        out = drafter(
-            noise_embeds=drafter.embed_block(torch.tensor([root_token], device=device)),
+        out = compiled_method(drafter, "forward")(
+            noise_embeds=drafter.embed_block(torch.as_tensor(root_token, device=device).reshape(1)),
             context_hidden_states=context[None],
             position_ids=positions[None],
             past_key_values=self.cache,

@@ -10,7 +10,7 @@ from transformers import DynamicCache
 from ...models.eagle3.modeling_eagle3 import Eagle3DraftModel
 from ..cache_utils import truncate_cache
 from ..tree import DraftTree
-from .base import TreeCandidateGenerator
+from .base import TreeCandidateGenerator, compiled_method
 
 
 class Eagle3CandidateGenerator(TreeCandidateGenerator):
@@ -69,7 +69,7 @@ class Eagle3CandidateGenerator(TreeCandidateGenerator):
         new = torch.ones(num_pos, num_pos, dtype=torch.bool, device=device).tril()
         past = torch.ones(num_pos, self.committed_entries, dtype=torch.bool, device=device)
         positions = torch.arange(first_position, first_position + num_pos, device=device)[None]
-        out = self.drafter.draft_step(
+        out = compiled_method(self.drafter, "draft_step")(
             self.drafter.fuse_features(target_features)[None],
             next_tokens.to(device)[None],
             positions,
@@ -83,7 +83,7 @@ class Eagle3CandidateGenerator(TreeCandidateGenerator):
         self._account(start)
 
     # ---------------------------------------------------------------------------------------------------------
-    def grow_tree(self, root_token: int) -> DraftTree:
+    def grow_tree(self, root_token: torch.LongTensor) -> DraftTree:
         """The dynamic top-k tree from the last committed token, whose output `observe` computed (`draft_tree` prunes)."""
         if self.root_output is None:
             raise RuntimeError("observe() must feed the committed context before draft_tree().")
@@ -95,7 +95,7 @@ class Eagle3CandidateGenerator(TreeCandidateGenerator):
         logits, hidden = self.root_output
         top_lp, top_ids = logits.float().log_softmax(-1).topk(k)
         ones = torch.ones(k, dtype=torch.long, device=device)
-        frontier = tree.add_nodes(d2t[top_ids], ones - 1, ones, top_lp)  # children of the root, at depth 1
+        frontier = tree.add_nodes(d2t[top_ids], ones - 1, ones, top_lp, max_depth=1)  # the root's children
         self.note_producers(frontier, hidden[None].expand(k, -1), ones - 1)  # the root output: slot 0
         frontier_hidden = hidden[None].expand(k, -1)  # every depth-1 node was produced by the root position
         frontier_visible = torch.zeros(k, 0, dtype=torch.bool, device=device)  # over this iteration's entries
@@ -108,7 +108,7 @@ class Eagle3CandidateGenerator(TreeCandidateGenerator):
             # the frontier's ancestors' entries, then each node's own new entry
             visible = torch.cat([frontier_visible, torch.eye(n, dtype=torch.bool, device=device)], dim=1)
             committed = torch.ones(n, self.committed_entries, dtype=torch.bool, device=device)
-            out = self.drafter.draft_step(
+            out = compiled_method(self.drafter, "draft_step")(
                 frontier_hidden[None],
                 tree.tokens[frontier][None],
                 (self.root_position + tree.depths[frontier])[None],
@@ -119,7 +119,9 @@ class Eagle3CandidateGenerator(TreeCandidateGenerator):
             child_lp, child_ids = out.logits[0].float().log_softmax(-1).topk(k, dim=-1)  # [n, k]
             cumulative = (tree.scores[frontier][:, None] + child_lp).flatten()  # parent-major
             parents = frontier.repeat_interleave(k)
-            children = tree.add_nodes(d2t[child_ids.flatten()], parents, tree.depths[parents] + 1, cumulative)
+            children = tree.add_nodes(
+                d2t[child_ids.flatten()], parents, tree.depths[parents] + 1, cumulative, max_depth=tree.depth_bound + 1
+            )
             if self.keep_producers:  # online adaptation: node i's children came from frontier state i
                 self.note_producers(children, out.hidden_states[0].repeat_interleave(k, 0))
             best = cumulative.topk(min(k, cumulative.numel())).indices

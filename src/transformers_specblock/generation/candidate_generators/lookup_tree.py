@@ -16,5 +16,5 @@ class LookupTreeCandidateGenerator(TreeCandidateGenerator):
     def observe(self, target_features: torch.Tensor, next_tokens: torch.LongTensor, first_position: int) -> None:
         """Nothing to read: the free candidates look at the committed tokens `draft_tree` is given."""
 
-    def grow_tree(self, root_token: int) -> DraftTree:
+    def grow_tree(self, root_token: torch.LongTensor) -> DraftTree:
         return DraftTree.root_only(root_token, self.drafter.device)

@@ -11,7 +11,7 @@ from transformers import DynamicCache
 from ...models.specblock.modeling_specblock import SpecBlockDraftModel, block_causal_mask, followup_block_mask
 from ..cache_utils import truncate_cache
 from ..tree import DraftTree
-from .base import TreeCandidateGenerator
+from .base import TreeCandidateGenerator, compiled_method
 
 
 @dataclass
@@ -52,6 +52,9 @@ class SpecBlockCandidateGenerator(TreeCandidateGenerator):
         self.tree_policy = tree_policy if tree_policy is not None else config.tree_policy
         self.max_followups = config.max_followups
         self.branch_widths = torch.tensor(config.branch_widths, device=drafter.device)
+        # the most candidates a slot can get, known on the host (each block takes this many, then masks)
+        widest = config.fixed_width if self.tree_policy == "fixed" else max(config.branch_widths)
+        self.max_width = max(1, min(widest, config.draft_vocab_size))
         self.cache = DynamicCache()
         self.committed_entries = 0
         self.root_block: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
@@ -81,7 +84,7 @@ class SpecBlockCandidateGenerator(TreeCandidateGenerator):
         num_pos, device = next_tokens.shape[0], self.drafter.device
         mask = block_causal_mask(num_pos, self.block_size, self.committed_entries, device)[None]
         positions = torch.arange(first_position, first_position + num_pos, device=device)[None]
-        out = self.drafter.draft_blocks(
+        out = compiled_method(self.drafter, "draft_blocks")(
             self.drafter.project_condition(target_features)[None],
             next_tokens.to(device)[None],
             positions,
@@ -93,7 +96,7 @@ class SpecBlockCandidateGenerator(TreeCandidateGenerator):
         return out
 
     # ---------------------------------------------------------------------------------------------------------
-    def grow_tree(self, root_token: int) -> DraftTree:
+    def grow_tree(self, root_token: torch.LongTensor) -> DraftTree:
         """The block tree from the last committed token, whose block 1 `observe` drafted (`draft_tree` prunes)."""
         if self.root_block is None:
             raise RuntimeError("observe() must feed the committed context before draft_tree().")
@@ -118,26 +121,27 @@ class SpecBlockCandidateGenerator(TreeCandidateGenerator):
                 self.note_producers(nodes, rnd.hidden[block_of, slot_of], slot_of if round_idx == 0 else None)
             if round_idx == self.max_blocks - 1:
                 break
+            if nodes.numel() == 0:  # every slot ended its branch (width 0): nothing to follow up
+                break
             # follow-up blocks start from the best-scoring leaves of this round (chain ends and siblings)
-            candidates = nodes[leaf]
-            if candidates.numel() == 0:
-                break
-            top = tree.scores[candidates].topk(min(self.max_followups, candidates.numel())).indices
+            leaf_scores = torch.where(leaf, tree.scores[nodes], float("-inf"))
+            top = leaf_scores.topk(min(self.max_followups, nodes.numel())).indices  # leaves first, best first
             # a block's nodes score below its start leaf: draft only the blocks, and the slots, that could survive
-            # pruning to the budget (the pruned tree is the same; fewer rows make the forward cheaper)
-            room = tree.room_below(tree.scores[candidates[top]], self.tree_budget)
-            top = top[room > 0]
-            if top.numel() == 0:
+            # pruning to the budget (the pruned tree is the same; fewer rows make the forward cheaper). The room
+            # falls as the score does, so those blocks are a prefix of `top`: decided on the device, read back once
+            room = torch.where(leaf[top], tree.room_below(leaf_scores[top], self.tree_budget), 0)
+            num_blocks, num_slots = torch.stack([(room > 0).sum(), room.max().clamp(max=k_slots)]).tolist()
+            if num_blocks == 0:
                 break
-            num_slots = int(room.max().clamp(max=k_slots))
-            chosen = candidates[top]
-            b, s = block_of[leaf][top], slot_of[leaf][top]
+            top = top[:num_blocks]
+            chosen = nodes[top]
+            b, s = block_of[top], slot_of[top]
             inherited = torch.zeros(chosen.numel(), local_entries, dtype=torch.bool, device=device)
             inherited[:, : rnd.inherited.shape[1]] = rnd.inherited[b]
             parent_slots = torch.arange(rnd.hidden.shape[1], device=device)
             own = rnd.entry_offset[b, None] + parent_slots  # the parent block's entries, slots 0..s visible
             inherited.scatter_(1, own, parent_slots[None, :] <= s[:, None])
-            out = self.drafter.draft_blocks(
+            out = compiled_method(self.drafter, "draft_blocks")(
                 rnd.hidden[b, s][None],
                 tree.tokens[chosen][None],
                 self.drafter.followup_start_positions(self.root_position, tree.depths[chosen])[None],
@@ -177,9 +181,8 @@ class SpecBlockCandidateGenerator(TreeCandidateGenerator):
         """
         num_blocks, k_slots, _ = rnd.log_probs.shape
         alive = torch.cumprod(rnd.widths > 0, dim=1).bool()  # a width-0 slot ends the chain there
-        max_width = int(rnd.widths.max().clamp(min=1))
-        top_lp, top_ids = rnd.log_probs.topk(max_width, dim=-1)  # [B, K, W]
-        rank = torch.arange(max_width, device=top_ids.device)
+        top_lp, top_ids = rnd.log_probs.topk(self.max_width, dim=-1)  # [B, K, W]
+        rank = torch.arange(self.max_width, device=top_ids.device)
         take = alive[..., None] & (rank < rnd.widths[..., None])  # [B, K, W]
         # slot-major order: (slot, block, rank)
         take_sk = take.transpose(0, 1)
@@ -198,6 +201,6 @@ class SpecBlockCandidateGenerator(TreeCandidateGenerator):
         parent_score = torch.stack(parent_scores, dim=1)  # [B, K]
         depths = tree.depths[rnd.start_nodes[block]] + slot + 1
         scores = parent_score[block, slot] + top_lp[block, slot, rk]
-        new = tree.add_nodes(tokens, parents, depths, scores)
+        new = tree.add_nodes(tokens, parents, depths, scores, max_depth=tree.depth_bound + k_slots)
         leaf = (rk > 0) | (slot == k_slots - 1)  # siblings, and chains that reached the block's last slot
         return new, block, slot, leaf

@@ -96,6 +96,10 @@ class TreeDrafterConfig(PretrainedConfig):
             state, and a replay context of `adaptation_context` positions for whole-drafter updates).
         adaptation_top_k: Target probabilities kept per sample (the soft label of the update).
         adaptation_context: Committed positions a whole-drafter update replays before each sample's position.
+        compile_drafter: Run the drafter's forwards under `torch.compile` (inductor on a CPU, CUDA graphs through
+            mode="reduce-overhead" on a GPU; shapes marked dynamic, so the growing cache and the changing number of
+            tree rows reuse one graph). Drafts are the same; the first calls pay the compilation. Off by default:
+            see docs/benchmarks.md for where it pays.
     """
 
     drafter_name = "tree"
@@ -144,6 +148,7 @@ class TreeDrafterConfig(PretrainedConfig):
         adaptation_buffer_size: int = 256,
         adaptation_top_k: int = 32,
         adaptation_context: int = 8,
+        compile_drafter: bool = False,
         **kwargs: Any,
     ) -> None:
         kwargs.setdefault("tie_word_embeddings", False)
@@ -191,6 +196,7 @@ class TreeDrafterConfig(PretrainedConfig):
         self.adaptation_buffer_size = adaptation_buffer_size
         self.adaptation_top_k = adaptation_top_k
         self.adaptation_context = adaptation_context
+        self.compile_drafter = compile_drafter
         super().__init__(**kwargs)
         self.validate_settings()
 
@@ -209,6 +215,8 @@ class TreeDrafterConfig(PretrainedConfig):
         interval = self.auto_budget_explore_interval
         if not isinstance(interval, int) or isinstance(interval, bool) or interval < 1:
             raise ValueError(f"auto_budget_explore_interval must be an int >= 1, got {interval!r}.")
+        if not isinstance(self.compile_drafter, bool):
+            raise ValueError(f"compile_drafter must be True or False, got {self.compile_drafter!r}.")
         self._validate_lookup_settings()
         self._validate_adaptation_settings()
         self._validate_target_layer_ids()

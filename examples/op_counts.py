@@ -1,0 +1,121 @@
+"""aten ops (kernel launches) and host syncs per decoding iteration, per method, on SmolLM2-135M-Instruct with the
+shipped drafters (greedy, MT-Bench prompts): exact counts, the same on any CPU (`generation.op_counter`).
+
+    python examples/op_counts.py --num_prompts 2 --max_new_tokens 48 --output docs/results/op-counts/counts.json
+
+Methods: plain, the shipped settings at budget 8 (lookup_tree at 16), and SpecBlock K = 4 x 2 blocks against
+EAGLE-3 `tree_depth=8`, both at budget 32 (the paper's claim in launch terms: SpecBlock's drafting ops / EAGLE-3's).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import statistics
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+from transformers import AutoModel
+
+from transformers_specblock import LookupTreeModel, load_packaged_model
+from transformers_specblock.generation.op_counter import OpCounts, count_ops
+from transformers_specblock.hub.prompts import load_prompts
+from transformers_specblock.hub.provenance import describe_device
+from transformers_specblock.hub.shipped import resolve_drafter_path
+
+RUNS = {
+    "plain": (None, {}),
+    "specblock@8": ("specblock", {"tree_budget": 8}),
+    "eagle3@8": ("eagle3", {"tree_budget": 8}),
+    "dflash@8": ("dflash", {"tree_budget": 8}),
+    "lookup_tree@16": ("lookup_tree", {"tree_budget": 16}),
+    "specblock K4x2@32": ("specblock", {"tree_budget": 32, "max_blocks": 2}),
+    "eagle3 depth8@32": ("eagle3", {"tree_budget": 32, "tree_depth": 8}),
+}
+
+
+def time_drafting(target, tokenizer, prompts, drafters, args) -> dict:
+    """Drafting ms per iteration of SpecBlock K4x2@32 and EAGLE-3 depth8@32, interleaved per prompt (best of two)."""
+    ratios, rows = [], []
+    for row in prompts.select(range(args.num_prompts, args.num_prompts + args.time_prompts)):
+        text = tokenizer.apply_chat_template([{"role": "user", "content": row["prompt"]}], tokenize=False,
+                                             add_generation_prompt=True)  # fmt: skip
+        encoded = tokenizer(text, return_tensors="pt", add_special_tokens=False)
+        ms = {}
+        for name in ("specblock K4x2@32", "eagle3 depth8@32") * 2:
+            kind, settings = RUNS[name]
+            with drafters[kind].tree_settings(**settings), torch.no_grad():
+                target.generate(**encoded, max_new_tokens=args.max_new_tokens, do_sample=False,
+                                assistant_model=drafters[kind])  # fmt: skip
+            stats = drafters[kind].last_stats
+            ms[name] = min(ms.get(name, float("inf")), stats.drafter_time_s / stats.iterations * 1e3)
+        rows.append(ms)
+        ratios.append(ms["specblock K4x2@32"] / ms["eagle3 depth8@32"])
+    return {"specblock_over_eagle3_drafting_time": statistics.median(ratios), "drafting_ms_per_iter": rows}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--num_prompts", type=int, default=2)
+    parser.add_argument("--max_new_tokens", type=int, default=48)
+    parser.add_argument("--methods", default=",".join(RUNS), help=f"comma list of {list(RUNS)}")
+    parser.add_argument("--output", default="out/op-counts/counts.json")
+    parser.add_argument("--time_prompts", type=int, default=0,
+                        help="also time the equal-depth pair's drafting on this many further prompts (interleaved, "
+                             "uncounted): the median per-prompt ratio of drafting ms per iteration")  # fmt: skip
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    target, tokenizer = load_packaged_model("smollm2-135m-instruct")
+    prompts = load_prompts("mt_bench", tokenizer=tokenizer)
+    inputs = []
+    for row in prompts.select(range(args.num_prompts)):
+        text = tokenizer.apply_chat_template([{"role": "user", "content": row["prompt"]}], tokenize=False,
+                                             add_generation_prompt=True)  # fmt: skip
+        inputs.append(tokenizer(text, return_tensors="pt", add_special_tokens=False))
+    drafters = {"lookup_tree": LookupTreeModel.from_target(target)}
+    for kind in ("specblock", "eagle3", "dflash"):
+        drafters[kind] = AutoModel.from_pretrained(resolve_drafter_path(f"{kind}-smollm2-135m-instruct")).eval()
+        drafters[kind].bind_target(target)
+    results = {}
+    for name in tqdm(args.methods.split(","), desc="methods"):
+        kind, settings = RUNS[name]
+        drafter = drafters.get(kind)
+        counts, forwards, iterations = OpCounts(), 0, 0
+        for encoded in inputs:
+            settings_context = drafter.tree_settings(**settings) if drafter is not None else contextlib.nullcontext()
+            extra = {"assistant_model": drafter} if drafter is not None else {}
+            with settings_context, torch.no_grad(), count_ops(target, counts):
+                target.generate(**encoded, max_new_tokens=args.max_new_tokens, do_sample=False, **extra)
+            if drafter is not None:
+                forwards += drafter.last_stats.drafter_forwards
+                iterations += drafter.last_stats.iterations
+        results[name] = counts.per_iteration() | {
+            "iterations": counts.iterations,
+            "drafter_forwards_per_iter": forwards / max(1, iterations),
+            "top_outside_per_iter": counts.top_outside(8),
+        }
+    claim = {}
+    if {"specblock K4x2@32", "eagle3 depth8@32"} <= results.keys():
+        ours, theirs = results["specblock K4x2@32"], results["eagle3 depth8@32"]
+        claim = {"specblock_over_eagle3_drafting_ops": ours["drafting_ops"] / theirs["drafting_ops"]}
+    if args.time_prompts and claim:
+        claim |= time_drafting(target, tokenizer, prompts, drafters, args)
+    payload = {
+        "settings": vars(args) | {"target": "smollm2-135m-instruct", "dtype": str(target.dtype), "greedy": True},
+        "hardware": describe_device(target.device),
+        "per_iteration": results,
+        "claim": claim,
+    }
+    Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.output).write_text(json.dumps(payload, indent=2))
+    for name, row in results.items():
+        print(f"{name:20s} target {row['target_ops']:7.0f}  drafting {row['drafting_ops']:6.0f} ops "
+              f"{row['drafting_syncs']:5.1f} syncs  loop {row['loop_ops']:5.0f} ops {row['loop_syncs']:4.1f} syncs  "
+              f"forwards {row['drafter_forwards_per_iter']:.1f}")  # fmt: skip
+    print(claim)
+
+
+if __name__ == "__main__":
+    main()

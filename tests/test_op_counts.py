@@ -1,0 +1,94 @@
+"""Kernel launches and host syncs per decoding iteration (`generation.op_counter`): the counter sees what a GPU would
+pay, and the counts of every method stay under pinned bounds (exact on tiny random models, so they cannot creep)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import make_drafter, make_target
+from test_benchmark import tiny_setup
+from transformers_specblock import DFlashDraftModel, Eagle3DraftModel, LookupTreeModel
+from transformers_specblock.commands.benchmark import markdown_tables, run_benchmark
+from transformers_specblock.generation.op_counter import count_ops
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+PROMPT = torch.tensor([[0, 5, 9, 17, 3, 5, 9, 17, 3, 44, 2, 5, 9]])
+NEW_TOKENS = 24
+
+# per iteration, upper bounds: (drafting ops, loop ops, drafting syncs, loop syncs, drafter forwards), measured
+# 2026-12-01 on the models below with a few percent of headroom; lower them as the loop gets leaner. Before the
+# drafting lost its per-node host reads: SpecBlock 815 ops / 13 syncs, EAGLE-3 365 / 7, DFlash 229 / 3, lookup 58 / 10.
+BOUNDS = {
+    "plain": (0, 26, 0, 1.1, 0),
+    "specblock": (840, 145, 3, 6.5, 2.0),
+    "eagle3": (375, 140, 2, 6.5, 2.0),
+    "lookup_tree": (54, 125, 8.0, 7.5, 0),
+    "dflash": (242, 135, 1, 6.5, 1.0),
+}
+
+
+def tiny_methods(target) -> dict:
+    torch.manual_seed(2000)
+    specblock = make_drafter(target, tree_budget=8)
+    torch.manual_seed(2000)
+    eagle3 = Eagle3DraftModel.from_target(target, tree_budget=8)
+    lookup = LookupTreeModel.from_target(target, tree_budget=16)
+    torch.manual_seed(2000)
+    dflash = DFlashDraftModel.from_target(target, mask_token_id=127, block_size=4, num_hidden_layers=2, tree_budget=8)
+    return {"plain": None, "specblock": specblock, "eagle3": eagle3, "lookup_tree": lookup, "dflash": dflash}
+
+
+def test_ops_are_attributed_to_their_region_and_host_reads_count_as_syncs():
+    target = make_target("llama", vocab_size=128)
+    x = torch.arange(6)
+    with torch.no_grad(), count_ops(target) as counts:
+        target(PROMPT)  # the prefill: set-up, not counted per iteration
+        one_forward = counts.setup_ops
+        target(PROMPT[:, :1])
+        x.tolist(), int(x.max()), x[x > 2], x.nonzero(), bool(x.any()), x.repeat_interleave(x)  # 6 syncs
+        x.index_select(0, x), x[1:]  # none
+        target(PROMPT[:, :1])
+    assert counts.iterations == 2 and counts.target_forwards == 3
+    assert counts.syncs["loop"] == 6 and counts.syncs["target"] == 0 and counts.syncs["drafting"] == 0
+    assert one_forward > 100 and counts.ops["target"] > 100  # a 6-layer Llama forward: hundreds of aten ops
+    assert counts.per_iteration()["loop_syncs"] == 3.0
+    assert "aten::nonzero" in counts.by_name["loop"] and "Tensor.tolist" in counts.by_name["loop"]
+
+
+@pytest.mark.parametrize("method", list(BOUNDS))
+def test_ops_and_syncs_per_iteration_stay_under_their_bounds(method):
+    target = make_target("llama", vocab_size=128)
+    drafter = tiny_methods(target)[method]
+    with torch.no_grad():
+        reference = target.generate(PROMPT, max_new_tokens=NEW_TOKENS, do_sample=False)
+        kwargs = {"assistant_model": drafter} if drafter is not None else {}
+        with count_ops(target) as counts:
+            out = target.generate(PROMPT, max_new_tokens=NEW_TOKENS, do_sample=False, **kwargs)
+    assert torch.equal(out, reference)
+    per_iteration = counts.per_iteration()
+    forwards = drafter.last_stats.drafter_forwards / drafter.last_stats.iterations if drafter is not None else 0
+    measured = (per_iteration["drafting_ops"], per_iteration["loop_ops"], per_iteration["drafting_syncs"],
+                per_iteration["loop_syncs"], forwards)  # fmt: skip
+    names = ("drafting ops", "loop ops", "drafting syncs", "loop syncs", "drafter forwards")
+    over = [f"{n} {m:.2f} > {b}" for n, m, b in zip(names, measured, BOUNDS[method]) if m > b + 1e-9]
+    assert not over, f"{method}: per iteration {', '.join(over)}"
+    assert counts.iterations >= NEW_TOKENS // 4
+
+
+def test_the_benchmark_reports_counts_per_method_beside_the_timings(tmp_path):
+    target, tokenizer, prompts, methods, _ = tiny_setup()
+    methods = [m for m in methods if m.name in ("prompt_lookup", "specblock", "eagle3")]
+    results = run_benchmark(target, tokenizer, prompts.select(range(2)), methods, max_new_tokens=8, warmup_tokens=0,
+                            count_ops=True)  # fmt: skip
+    summary = results.summary()
+    for name, row in summary.items():
+        ops = row["ops_per_iter"]
+        assert ops["target_ops"] > 100 and ops["outside_ops"] == ops["drafting_ops"] + ops["loop_ops"], name
+    assert summary["plain"]["ops_per_iter"]["drafting_ops"] == 0
+    for name in ("prompt_lookup", "specblock", "eagle3"):  # transformers' candidate generators count as drafting too
+        assert summary[name]["ops_per_iter"]["drafting_ops"] > 0, name
+    for row in results.prompts:  # counted untimed on the same call: the same iterations as the timed run
+        assert row.op_counts["iterations"] == (row.iterations if row.iterations else row.target_calls - 1)
+    assert "### aten ops and host syncs per iteration" in markdown_tables(results.payload())
