@@ -19,13 +19,14 @@ NEW_TOKENS = 24
 
 # per iteration, upper bounds: (drafting ops, loop ops, drafting syncs, loop syncs, drafter forwards), measured
 # 2026-12-01 on the models below with a few percent of headroom; lower them as the loop gets leaner. Before the
-# drafting lost its per-node host reads: SpecBlock 815 ops / 13 syncs, EAGLE-3 365 / 7, DFlash 229 / 3, lookup 58 / 10.
+# drafting lost its per-node host reads: SpecBlock 815 ops / 13 syncs, EAGLE-3 365 / 7, DFlash 229 / 3, lookup 58 / 10;
+# before the loop read acceptance, stopping and the per-source counts back once per step: loop 6.5-7.5 syncs.
 BOUNDS = {
     "plain": (0, 26, 0, 1.1, 0),
-    "specblock": (840, 145, 3, 6.5, 2.0),
-    "eagle3": (375, 140, 2, 6.5, 2.0),
-    "lookup_tree": (54, 125, 8.0, 7.5, 0),
-    "dflash": (242, 135, 1, 6.5, 1.0),
+    "specblock": (840, 130, 3, 2.3, 2.0),
+    "eagle3": (375, 120, 2, 2.3, 2.0),
+    "lookup_tree": (54, 98, 8.0, 3.8, 0),
+    "dflash": (242, 120, 1, 2.3, 1.0),
 }
 
 

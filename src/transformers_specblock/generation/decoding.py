@@ -184,9 +184,8 @@ def tree_speculative_decoding(
     stats.new_tokens = sum(row.sequence.numel() for row in rows) - len(rows) * input_ids.shape[1]
     stats.drafter_forwards = sum(g.stats.drafter_forwards for g in generators)
     stats.drafter_time_s = sum(g.stats.drafter_time_s for g in generators)
-    stats.accepted_by_source = {
-        source: sum(g.stats.accepted_by_source[source] for g in generators) for source in generators[0].stats.accepted_by_source
-    }  # fmt: skip
+    per_row = [g.stats.accepted_by_source for g in generators]
+    stats.accepted_by_source = {source: sum(counts[source] for counts in per_row) for source in per_row[0]}
     if adapter is not None:  # update after the call's last token, timed inside the call
         report = adapter.finish_call(stats.new_tokens, time.perf_counter() - started, stats.tau)
         stats.adaptation_action, stats.adaptation_time_s = report.action, report.update_time_s

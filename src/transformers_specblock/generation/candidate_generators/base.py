@@ -41,7 +41,19 @@ class DraftingStats:
     drafter_forwards: int = 0
     drafter_time_s: float = 0.0
     blocks_per_iteration: list[int] = field(default_factory=list)
-    accepted_by_source: dict[str, int] = field(default_factory=lambda: dict.fromkeys(SOURCE_BITS, 0))
+    accepted_per_source: torch.Tensor | None = None  # [len(SOURCE_BITS)] on the device: no host read per step
+
+    def count_accepted(self, sources: torch.LongTensor) -> None:
+        """Count accepted nodes per source (`sources`: their source bit masks)."""
+        bits = torch.tensor(list(SOURCE_BITS.values()), device=sources.device)
+        counts = ((sources[:, None] & bits) > 0).sum(0)
+        self.accepted_per_source = counts if self.accepted_per_source is None else self.accepted_per_source + counts
+
+    @property
+    def accepted_by_source(self) -> dict[str, int]:
+        """Accepted drafted tokens each source proposed (one host read)."""
+        counts = self.accepted_per_source.tolist() if self.accepted_per_source is not None else [0] * len(SOURCE_BITS)
+        return dict(zip(SOURCE_BITS, counts))
 
 
 class TreeCandidateGenerator(CandidateGenerator):
@@ -149,9 +161,7 @@ class TreeCandidateGenerator(CandidateGenerator):
 
     def record_verified(self, tree: DraftTree, path: torch.LongTensor) -> None:
         """What the target accepted of a verified tree: counted per source, and learnt by the free candidates."""
-        accepted = tree.sources[path.to(tree.sources.device)]
-        for source, bit in SOURCE_BITS.items():
-            self.stats.accepted_by_source[source] += int(((accepted & bit) > 0).sum())
+        self.stats.count_accepted(tree.sources[path.to(tree.sources.device)])
         if self.free_candidates is not None:
             self.free_candidates.record(tree, path, self.eos_token_ids)
 
