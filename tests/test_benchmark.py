@@ -233,3 +233,17 @@ def test_batched_benchmark_groups_prompts_and_names_refused_methods(tmp_path):
     assert all(r.new_tokens == 2 * 8 for r in results.prompts)
     write_report(results, tmp_path)
     assert "prompt_lookup: refused at batch size 2" in (tmp_path / "results.md").read_text()
+
+
+def test_timed_calls_do_not_copy_answers_the_suffix_cache_remembers(tmp_path):
+    """Two methods on one drafter object, the same prompts: the second must not copy the first's answers."""
+    from transformers_specblock import LookupTreeModel
+
+    target, tokenizer, prompts, _, _ = tiny_setup()
+    lookup = LookupTreeModel.from_target(target, tree_budget=32, suffix_cache_num_tokens=32)
+    methods = [Method("first", {"assistant_model": lookup}), Method("second", {"assistant_model": lookup})]
+    results = run_benchmark(target, tokenizer, prompts, methods, max_new_tokens=16, output_dir=tmp_path)
+    for prompt_id in {r.prompt_id for r in results.prompts}:
+        first, second = (next(r for r in results.prompts if r.prompt_id == prompt_id and r.method == m)
+                         for m in ("first", "second"))  # fmt: skip
+        assert first.tau == second.tau and first.iterations == second.iterations, prompt_id

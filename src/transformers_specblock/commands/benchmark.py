@@ -304,6 +304,7 @@ def run_benchmark(
             drafter = method.generate_kwargs.get("assistant_model")
             if isinstance(drafter, TreeDraftModel):  # a chain run (speculation_type) leaves no tree statistics
                 drafter.last_stats = None
+                _forget_served_text(drafter)
             with counted_forwards(target) as target_calls:
                 start = time.perf_counter()
                 out = _generate(target, inputs, method, max_new_tokens, do_sample, generate_kwargs)
@@ -347,12 +348,23 @@ def run_benchmark(
     return results
 
 
+def _forget_served_text(drafter: TreeDraftModel) -> None:
+    """Every timed call serves its prompt as a first request: the suffix cache's memory of earlier calls (the warm-up,
+    another method on the same drafter object, this prompt) would let it copy an answer to this very prompt. The
+    cross-request memory is measured on request streams instead (`examples/suffix_streams.py`)."""
+    store = drafter.__dict__.get("_suffix_store")
+    if store is not None:
+        store.reset()
+
+
 def _as_list(ids: int | list[int] | None) -> list[int]:
     return [] if ids is None else [ids] if isinstance(ids, int) else list(ids)
 def _counted_run(target: PreTrainedModel, inputs, method: Method, max_new_tokens: int, do_sample: bool, seed: int,
                  generate_kwargs: dict[str, Any]) -> dict[str, int]:  # fmt: skip
     """The same call once more under `count_ops`: its iterations, and aten ops / host syncs per region."""
     torch.manual_seed(seed)
+    if isinstance(method.generate_kwargs.get("assistant_model"), TreeDraftModel):
+        _forget_served_text(method.generate_kwargs["assistant_model"])
     with count_ops(target) as counts:
         _generate(target, inputs, method, max_new_tokens, do_sample, generate_kwargs)
     return {"iterations": counts.iterations, **{f"{k}_ops": v for k, v in counts.ops.items()},
