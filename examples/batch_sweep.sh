@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Tree decoding against plain batched `generate` at batch sizes 1, 4 and 16 (docs/benchmarks.md, "Batches"): every
-# method with the shipped fixed budget and with "auto", MT-Bench and HumanEval, then the speed-up-vs-batch figure.
+# drafter as shipped (tree_budget="auto" with the free candidates) and at the fixed budget 8 it shipped with before,
+# the lookup tree as shipped ("auto") and at 16 nodes, MT-Bench and HumanEval, then the speed-up-vs-batch figure.
 # Each run is resumable (out/batch/<dtype>-<dataset>-b<B>/per_prompt.jsonl).
 #
 #   bash examples/batch_sweep.sh [float32|bfloat16] [num_prompts] [max_new_tokens]
@@ -11,7 +12,7 @@ DTYPE=${1:-float32}
 PROMPTS=${2:-8}
 TOKENS=${3:-48}
 OUT=${OUT:-out/batch}
-METHODS=plain,prompt_lookup,lookup_tree,lookup_tree@auto,eagle3,eagle3@auto,specblock,specblock@auto,dflash,dflash@auto
+METHODS=plain,prompt_lookup,lookup_tree@16,lookup_tree,eagle3@8,eagle3,specblock@8,specblock,dflash@8,dflash
 
 for dataset in mt_bench humaneval; do
     for batch in 1 4 16; do
