@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from scipy.stats import chisquare
+from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 from transformers.generation.streamers import BaseStreamer
 
 from conftest import make_drafter, make_target
@@ -225,12 +226,13 @@ def test_online_adaptation_takes_signal_from_every_row(one_thread):
 SAMPLE_VOCAB = 8
 
 
-def exact_first_tokens(target, prompt: torch.LongTensor, steps: int, temperature: float) -> list[torch.Tensor]:
-    """Exact marginals of the first `steps` sampled tokens after `prompt` [T] (enumerating every prefix)."""
+def exact_first_tokens(target, prompt: torch.LongTensor, steps: int, warpers) -> list[torch.Tensor]:
+    """Exact marginals of the first `steps` sampled tokens after `prompt` [T] (enumerating every prefix) under
+    the sampling `warpers`."""
     prefixes, weights, marginals = prompt[None], torch.ones(1, dtype=torch.float64), []
     with torch.no_grad():
         for _ in range(steps):
-            probs = (target(prefixes).logits[:, -1].double() / temperature).softmax(-1)  # [P, V]
+            probs = warpers(prefixes, target(prefixes).logits[:, -1].float()).double().softmax(-1)  # [P, V]
             joint = weights[:, None] * probs
             marginals.append(joint.sum(0))
             prefixes = torch.cat([prefixes.repeat_interleave(SAMPLE_VOCAB, 0),
@@ -242,24 +244,28 @@ def exact_first_tokens(target, prompt: torch.LongTensor, steps: int, temperature
 def test_sampling_keeps_each_rows_distribution(one_thread):
     target = make_target("llama", vocab_size=SAMPLE_VOCAB, seed=13, initializer_range=0.05)
     drafter = make_drafter(target, tree_policy="fixed", fixed_width=4, max_blocks=2, tree_budget=24)
-    ids, mask = left_padded([4, 2, 6], seed=13, vocab=SAMPLE_VOCAB)
-    steps, temperature, draws = 3, 0.9, 800
+    lengths = [4, 2, 6]
+    ids, mask = left_padded(lengths, seed=13, vocab=SAMPLE_VOCAB)
+    steps, draws, sampling = 3, 800, dict(temperature=0.8, top_k=6, top_p=0.95)
+    warpers = LogitsProcessorList([TemperatureLogitsWarper(0.8), TopKLogitsWarper(6), TopPLogitsWarper(0.95)])
     counts = torch.zeros(3, steps, SAMPLE_VOCAB)
     torch.manual_seed(0)
     multi = 0
     for _ in range(draws):
-        out = target.generate(ids, attention_mask=mask, assistant_model=drafter, do_sample=True,
-                              temperature=temperature, top_k=0, pad_token_id=PAD, max_new_tokens=steps)  # fmt: skip
+        out = target.generate(ids, attention_mask=mask, assistant_model=drafter, do_sample=True, pad_token_id=PAD,
+                              max_new_tokens=steps, **sampling)  # fmt: skip
         for row in range(3):
             for step, token in enumerate(out[row, -steps:].tolist()):
                 counts[row, step, token] += 1
         multi += max(drafter.last_stats.accepted_per_iteration) >= 2
     assert multi > draws // 4  # tree acceptance committed several tokens at once
-    for row, n in enumerate([4, 2, 6]):
-        marginals = exact_first_tokens(target, ids[row, -n:], steps, temperature)
+    for row, n in enumerate(lengths):
+        marginals = exact_first_tokens(target, ids[row, -n:], steps, warpers)
         for step in range(steps):
-            expected = (marginals[step] * draws).numpy()
-            assert chisquare(counts[row, step].numpy(), expected).pvalue > 1e-3, (row, step)
+            support = marginals[step] > 0
+            expected = (marginals[step][support] * draws).numpy()
+            assert counts[row, step][~support].sum() == 0, (row, step)  # nothing outside top-k / top-p
+            assert chisquare(counts[row, step][support].numpy(), expected).pvalue > 1e-3, (row, step)
 
 
 # --------------------------------------------------------------------------------------------------------------
