@@ -107,7 +107,8 @@ def bench_argv(folders: Path, tmp_path: Path, *extra: str) -> list[str]:
     "extra, needles",
     [
         (["--methods", "plain,no_such_method"], ["Unknown method 'no_such_method'"]),
-        (["--methods", "specblock", "--specblock_model", "{drafter}", "--tree_budget", "many"], ['positive int or "auto", got \'many\'']),
+        (["--methods", "specblock", "--specblock_model", "{drafter}", "--tree_budget", "many"],
+         ['positive int or "auto", got \'many\'']),
         (["--methods", "specblock"], ["No specblock drafter 'specblock-target'", "--specblock_model"]),
         (["--methods", "specblock", "--specblock_model", "{other_drafter}"], ["vocab_size=96", "vocab_size=128"]),
         (["--methods", "specblock", "--specblock_model", "{missing_folder}"], ["specblock drafter"]),
@@ -119,7 +120,8 @@ def test_bench_user_errors(folders, tmp_path, capsys, monkeypatch, extra, needle
     import huggingface_hub.constants
 
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
-    fill = {"drafter": str(folders / "drafter"), "other_drafter": str(folders / "other_drafter"), "missing_folder": "no-such-owner/drafter"}
+    fill = {"drafter": str(folders / "drafter"), "other_drafter": str(folders / "other_drafter"),
+            "missing_folder": "no-such-owner/drafter"}
     extra = [arg.format(**fill) for arg in extra]
     assert errors.run_command("specblock-bench", bench_main, bench_argv(folders, tmp_path, *extra)) == 2
     assert_one_paragraph(capsys.readouterr().err, "specblock-bench", *needles)

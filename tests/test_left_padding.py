@@ -39,7 +39,10 @@ def make_eagle3(target):
 @pytest.mark.parametrize("kind", ["eagle3", "dflash"])
 @pytest.mark.parametrize("pads", [[3, 3, 3], [90, 1, 44, 7]])
 def test_feature_drafters_ignore_left_padding(target, monkeypatch, kind, pads):
-    drafter = make_eagle3(target) if kind == "eagle3" else make_dflash(target, block_size=6, tree_top_k=2, tree_budget=12)
+    if kind == "eagle3":
+        drafter = make_eagle3(target)
+    else:
+        drafter = make_dflash(target, block_size=6, tree_top_k=2, tree_budget=12)
     unpadded = target.generate(PROMPT, do_sample=False, max_new_tokens=MAX_NEW)
     padded, mask = pad(PROMPT, pads)
     plain = target.generate(padded, attention_mask=mask, do_sample=False, max_new_tokens=MAX_NEW)

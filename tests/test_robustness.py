@@ -138,7 +138,11 @@ class WaitingStreamer(BaseStreamer):
 def test_a_second_thread_gets_a_clear_error_and_the_first_is_unaffected(target, plain, route, kind):
     drafter = make_drafter(target, **SETTINGS["auto+lookup+adaptation"]) if kind == "specblock" else (
         LookupTreeModel.from_target(target))  # fmt: skip
-    generate = target.generate if route == "patched" else (lambda *a, **k: transformers_specblock.generate(target, *a, **k))
+    if route == "patched":
+        generate = target.generate
+    else:
+        def generate(*args, **kwargs):
+            return transformers_specblock.generate(target, *args, **kwargs)
     started, release = threading.Event(), threading.Event()
     results: dict[str, object] = {}
 
@@ -222,8 +226,9 @@ def test_batched_regeneration_equals_single_prompt_greedy(tmp_path, model_dir): 
     lengths = set()
     for line in lines:
         question = line["conversations"][0]["value"]
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
-                                            return_tensors="pt", return_dict=True, tokenize=True)["input_ids"]  # fmt: skip
+        chat = [{"role": "user", "content": question}]
+        ids = tokenizer.apply_chat_template(chat, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+        ids = ids["input_ids"]
         lengths.add(ids.shape[1])
         single = target.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=12,
                                  top_p=None, top_k=None, pad_token_id=tokenizer.pad_token_id)  # fmt: skip

@@ -76,7 +76,7 @@ class TreeDraftModel(PreTrainedModel):
     def from_pretrained(
         cls, pretrained_model_name_or_path: Any, *args: Any, strict: bool = True, **kwargs: Any
     ) -> "TreeDraftModel":
-        """`PreTrainedModel.from_pretrained`, strict, then a check that the draft vocabulary maps to distinct target ids.
+        """`PreTrainedModel.from_pretrained`, strict, then a check that the draft vocabulary maps to distinct ids.
 
         Strict (the default): a weight the checkpoint lacks, holds in excess or holds in another shape is a ValueError
         naming the keys (transformers alone would initialise a missing weight afresh and only log it: a drafter that
