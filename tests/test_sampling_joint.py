@@ -98,6 +98,7 @@ def joint_setup():
 
 
 @pytest.mark.usefixtures("one_thread")
+@pytest.mark.slow  # thousands of sampled generations: minutes on 2 shared cores
 def test_joint_distribution_of_the_first_tree_accepted_tokens(joint_setup):
     target, drafter, settings, exact = joint_setup
     counts = tree_outcomes(target, drafter, JOINT_PROMPT, JOINT_MASK, JOINT_STEPS, settings, JOINT_SAMPLES, seed=0)
@@ -108,6 +109,7 @@ def test_joint_distribution_of_the_first_tree_accepted_tokens(joint_setup):
 
 
 @pytest.mark.usefixtures("one_thread")
+@pytest.mark.slow  # thousands of sampled generations: minutes on 2 shared cores
 def test_biased_acceptor_fails_the_joint_test(joint_setup, monkeypatch):
     target, drafter, settings, exact = joint_setup
     monkeypatch.setattr(decoding, "sample_accept", biased_accept)
@@ -131,6 +133,7 @@ REPETITION_WITH_PADDING = (
 
 
 @pytest.mark.usefixtures("one_thread")
+@pytest.mark.slow  # thousands of sampled generations: minutes on 2 shared cores
 @pytest.mark.parametrize("padding", [
     "unpadded", pytest.param("left_padded", marks=pytest.mark.xfail(reason=REPETITION_WITH_PADDING, strict=True)),
 ])  # fmt: skip
@@ -165,6 +168,7 @@ def test_repetition_penalty_with_a_left_padded_prompt_greedy():
 
 # ------------------------------------------------------------------------------------------------ 16-bit targets
 @pytest.mark.usefixtures("one_thread")
+@pytest.mark.slow  # thousands of sampled generations: minutes on 2 shared cores
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_sampling_keeps_the_distribution_in_16_bits_with_float32_acceptance(dtype, monkeypatch):
     target = make_target("llama", vocab_size=8, seed=3, initializer_range=0.08).to(dtype)
