@@ -12,6 +12,7 @@ answers as single-prompt greedy `generate` does.
 
 from __future__ import annotations
 
+import copy
 import json
 import threading
 
@@ -235,3 +236,27 @@ def test_batched_regeneration_equals_single_prompt_greedy(tmp_path, model_dir): 
         answer = tokenizer.decode(single[0, ids.shape[1] :], skip_special_tokens=True).strip()
         assert line["conversations"][1]["value"] == answer, line["id"]
     assert len(lengths) > 1  # prompts of different lengths: batches were left-padded
+
+
+def test_one_drafter_copy_per_thread_runs_concurrently(target):
+    """What the error advises: `copy.deepcopy(drafter)` per thread; the copies draft at once, each exactly."""
+    drafter = make_drafter(target, **SETTINGS["auto+lookup+adaptation"])
+    target.generate(PROMPT, do_sample=False, max_new_tokens=8, assistant_model=drafter)  # bound, with state
+    copies = [copy.deepcopy(drafter) for _ in range(3)]
+    prompts = [torch.randint(1, VOCAB, (1, 6), generator=torch.Generator().manual_seed(s)) for s in range(3)]
+    expected = [target.generate(p, do_sample=False, max_new_tokens=30).tolist() for p in prompts]
+    outcomes: dict[int, object] = {}
+
+    def work(i: int) -> None:
+        try:
+            out = target.generate(prompts[i], do_sample=False, max_new_tokens=30, assistant_model=copies[i])
+            outcomes[i] = out.tolist() == expected[i]
+        except Exception as error:  # checked below
+            outcomes[i] = error
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=600)
+    assert outcomes == {0: True, 1: True, 2: True}, outcomes
