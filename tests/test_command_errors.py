@@ -158,3 +158,12 @@ def test_a_bug_keeps_its_traceback():
 def test_convert_keeps_its_statuses(tmp_path, capsys):
     assert convert.main(["--to", "eagle3", str(tmp_path / "nothing"), str(tmp_path / "out")]) == 2
     assert_one_paragraph(capsys.readouterr().err, "specblock-convert")
+
+
+def test_evaluate_drafter_example_missing_model(tmp_path):
+    env = os.environ | {"HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT / "src")}
+    argv = ["--drafter", "no-such-owner/drafter", "--target_model", MISSING, "--output", str(tmp_path / "d")]
+    result = subprocess.run([sys.executable, str(ROOT / "examples" / "evaluate_drafter.py"), *argv],
+                            capture_output=True, text=True, env=env, timeout=300)  # fmt: skip
+    assert result.returncode == 2
+    assert_one_paragraph(result.stderr, "examples/evaluate_drafter.py", MISSING)
