@@ -56,9 +56,10 @@ def test_feature_drafters_ignore_left_padding(target, monkeypatch, kind, pads):
 
 
 def lookup_drafter(target, kind: str):
-    """A fresh one per call: the free candidates' source scores carry over between calls."""
+    """A fresh one per call (the free candidates' source scores carry over between calls), with a fixed budget
+    ("auto" sizes trees from timings, which differ between runs)."""
     if kind == "lookup_tree":
-        return LookupTreeModel.from_target(target)
+        return LookupTreeModel.from_target(target, tree_budget=16)
     return make_drafter(target, tree_budget=16, prompt_lookup_num_tokens=6, ngram_cache_num_tokens=4)
 
 
