@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import itertools
 
-import torch
 
 import transformers_specblock.generation.budget as budget
 from conftest import make_target
