@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import tomllib
@@ -104,18 +105,20 @@ def bench_argv(folders: Path, tmp_path: Path, *extra: str) -> list[str]:
 
 
 @pytest.mark.parametrize(
-    "extra, needles",
+    "extra, needles, raised",
     [
-        (["--methods", "plain,no_such_method"], ["Unknown method 'no_such_method'"]),
+        (["--methods", "plain,no_such_method"], ["Unknown method 'no_such_method'"], ValueError),
         (["--methods", "specblock", "--specblock_model", "{drafter}", "--tree_budget", "many"],
-         ['positive int or "auto", got \'many\'']),
-        (["--methods", "specblock"], ["No specblock drafter 'specblock-target'", "--specblock_model"]),
-        (["--methods", "specblock", "--specblock_model", "{other_drafter}"], ["vocab_size=96", "vocab_size=128"]),
-        (["--methods", "specblock", "--specblock_model", "{missing_folder}"], ["specblock drafter"]),
+         ['positive int or "auto", got \'many\''], ValueError),
+        (["--methods", "specblock"], ["No specblock drafter 'specblock-target'", "--specblock_model"],
+         FileNotFoundError),
+        (["--methods", "specblock", "--specblock_model", "{other_drafter}"], ["vocab_size=96", "vocab_size=128"],
+         ValueError),
+        (["--methods", "specblock", "--specblock_model", "{missing_folder}"], ["specblock drafter"], OSError),
     ],
     ids=["bad_method", "bad_budget", "no_drafter", "drafter_for_another_target", "missing_drafter"],
 )
-def test_bench_user_errors(folders, tmp_path, capsys, monkeypatch, extra, needles):
+def test_bench_user_errors(folders, tmp_path, capsys, monkeypatch, extra, needles, raised):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     import huggingface_hub.constants
 
@@ -125,8 +128,9 @@ def test_bench_user_errors(folders, tmp_path, capsys, monkeypatch, extra, needle
     extra = [arg.format(**fill) for arg in extra]
     assert errors.run_command("specblock-bench", bench_main, bench_argv(folders, tmp_path, *extra)) == 2
     assert_one_paragraph(capsys.readouterr().err, "specblock-bench", *needles)
-    with pytest.raises((ValueError, OSError)):  # --traceback: the error itself, as bench_main raises it
+    with pytest.raises(raised, match=needles[0].replace("(", r"\(")) as info:  # --traceback: the error itself
         errors.run_command("specblock-bench", bench_main, [*bench_argv(folders, tmp_path, *extra), "--traceback"])
+    assert type(info.value) is raised
 
 
 def test_train_user_error(folders, tmp_path, capsys):
