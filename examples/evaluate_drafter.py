@@ -20,6 +20,7 @@ from transformers import AutoModel
 
 from transformers_specblock import load_prompts
 from transformers_specblock.commands.benchmark import Method, run_benchmark, write_report
+from transformers_specblock.commands.errors import command
 from transformers_specblock.hub.assets import explain_hub_errors
 from transformers_specblock.hub.loading import DEVICE_HELP, DTYPE_CHOICES, DTYPE_HELP, load_model
 from transformers_specblock.hub.shipped import resolve_drafter_path
@@ -82,4 +83,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    command("examples/evaluate_drafter.py", main)()  # a user error: one paragraph, exit 2 (--traceback: all of it)

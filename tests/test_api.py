@@ -68,9 +68,13 @@ def use_deep_oracle(monkeypatch, target, drafter, prompt=PROMPT, **kwargs):
 
 
 def assert_deep_chunks(drafter, generators) -> None:
-    """Chunks of 3+ tokens were really committed, and the trees really held follow-up blocks."""
+    """Every iteration but the last (which max_new_tokens or a stop may cut) committed at least the oracle's chunk
+    (its grafted depth + the bonus token: 4, 2, 5, 3, ...), so most commit 3+ tokens; the trees really held
+    follow-up blocks."""
     accepted = drafter.last_stats.accepted_per_iteration
-    assert max(accepted) >= 3 and sum(a >= 3 for a in accepted) >= 2, accepted
+    depths = generators[-1].depths
+    short = [(i, a) for i, a in enumerate(accepted[:-1]) if a < depths[i % len(depths)] + 1]
+    assert not short and sum(a >= 3 for a in accepted) > len(accepted) / 2, (short, accepted)
     assert generators and max(b for g in generators for b in g.stats.blocks_per_iteration) > 1
 
 

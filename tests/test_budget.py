@@ -148,7 +148,8 @@ def test_auto_budget_in_generate_is_exact_and_picks_a_candidate():
     assert all(n <= 32 for n in nodes) and max(nodes[:3]) > 8  # learning phase drafts the largest tree
     chooser = drafter._auto_budget
     assert chooser.trees == len(nodes) and chooser.choose() in {2, 4, 8, 16, 32}
-    assert chooser.cost.seconds == sorted(chooser.cost.seconds)  # a monotone cost curve
+    # the cost curve was measured for every candidate and the small sizes (`test_measured_cost.py`: how)
+    assert chooser.cost.sizes == [0, 1, 2, 3, 4, 8, 16, 32] and all(t > 0 for t in chooser.cost.seconds)
 
 
 def test_budget_zero_wins_when_no_tree_pays_for_itself():

@@ -427,13 +427,26 @@ def free_local_port() -> int:
         return sock.getsockname()[1]
 
 
-def run_two_processes(args: list[str], timeout: float = 300) -> tuple[int, str]:
+PORT_TAKEN = ("address already in use", "eaddrinuse", "errno 98")
+
+
+def run_two_processes(args: list[str], timeout: float = 300, attempts: int = 3) -> tuple[int, str]:
     """`torchrun` with 2 CPU workers on 127.0.0.1 only (a free port there; not --standalone, whose rendezvous
-    gives the workers "localhost"). Returns (exit code, combined output of the launcher and both workers). On
-    timeout the launcher AND its workers (torchrun starts each in a session of its own, out of reach of the
-    launcher's process group) are killed, and the test fails showing their output."""
+    gives the workers "localhost"). The port is free when picked but released before torchrun binds it, so
+    another process may take it in between: a run that failed because the port was taken is retried on a new one.
+    Returns (exit code, combined output of the launcher and both workers)."""
+    for _ in range(attempts):
+        returncode, output = _run_torchrun(args, free_local_port(), timeout)
+        if returncode == 0 or not any(sign in output.lower() for sign in PORT_TAKEN):
+            break
+    return returncode, output
+
+
+def _run_torchrun(args: list[str], port: int, timeout: float) -> tuple[int, str]:
+    """One torchrun on `port`. On timeout the launcher AND its workers (torchrun starts each in a session of its
+    own, out of reach of the launcher's process group) are killed, and the test fails showing their output."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", "2",
-           "--master_addr", "127.0.0.1", "--master_port", str(free_local_port()),
+           "--master_addr", "127.0.0.1", "--master_port", str(port),
            "-m", "transformers_specblock.train", *args]  # fmt: skip
     proc = subprocess.Popen(cmd, env=clean_environment(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     launcher = psutil.Process(proc.pid)
@@ -461,6 +474,22 @@ def kill_all(proc: subprocess.Popen, workers: list[psutil.Process]) -> None:
             pass
     proc.kill()
     psutil.wait_procs(workers, timeout=30)
+
+
+def test_a_taken_port_is_retried_on_another(monkeypatch):
+    """The port race: a run whose port was taken meanwhile runs again on a new port; other failures do not."""
+    runs = []
+    taken = "The server socket has failed to listen on any local network address. [errno 98] Address already in use"
+
+    def fake_torchrun(outcomes):
+        outcomes = iter(outcomes)
+        return lambda args, port, timeout: runs.append(port) or next(outcomes)
+
+    monkeypatch.setattr(sys.modules[__name__], "_run_torchrun", fake_torchrun([(1, taken), (0, "done")]))
+    assert run_two_processes(["--x"]) == (0, "done") and len(runs) == 2
+    runs.clear()
+    monkeypatch.setattr(sys.modules[__name__], "_run_torchrun", fake_torchrun([(1, "boom")]))
+    assert run_two_processes(["--x"]) == (1, "boom") and len(runs) == 1
 
 
 def test_ddp_two_processes_same_loss_as_one(workspace):

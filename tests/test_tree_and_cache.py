@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from transformers import DynamicCache
 
 from conftest import make_drafter, make_target
-from transformers_specblock.generation import get_candidate_generator
+from transformers_specblock.generation import CANDIDATE_GENERATOR_MAPPING, get_candidate_generator
 from transformers_specblock.generation.acceptance import greedy_accept
 from transformers_specblock.generation.cache_utils import compact_cache
 from transformers_specblock.generation.tree import DraftTree, tree_verification_mask
@@ -150,15 +150,38 @@ def test_greedy_accept_walks_the_matching_path():
     assert path.tolist() == [] and bonus.tolist() == [3]
 
 
-def test_drafter_cache_keeps_only_committed_entries():
+def test_drafter_cache_keeps_only_committed_entries(monkeypatch):
+    """After a whole generate (follow-up blocks and rejected branches included), the drafter's KV cache holds
+    exactly the K slot entries of each committed position it has read, equal to reading those positions at once."""
     target = make_target("llama", vocab_size=32, seed=1)
     drafter = make_drafter(target, tree_policy="fixed", fixed_width=3, max_blocks=3, tree_budget=30)
     prompt = torch.randint(0, 32, (1, 9), generator=torch.Generator().manual_seed(1))
-    target.generate(prompt, assistant_model=drafter, do_sample=False, max_new_tokens=12)
-    stats = drafter.last_stats
-    assert stats.drafter_forwards >= stats.iterations  # block 1 per iteration, follow-ups batched
+    model_type = drafter.config.model_type
+    real, generators = CANDIDATE_GENERATOR_MAPPING[model_type], []
+
+    def keep(*args, **kwargs):
+        generators.append(real(*args, **kwargs))
+        return generators[-1]
+
+    monkeypatch.setitem(CANDIDATE_GENERATOR_MAPPING, model_type, keep)
+    out = target.generate(prompt, assistant_model=drafter, do_sample=False, max_new_tokens=12)
+    stats, (generator,) = drafter.last_stats, generators
+    assert stats.iterations >= 4 and max(generator.stats.blocks_per_iteration) > 1  # follow-up blocks were drafted
     # max_blocks=3 costs at most 3 drafter forwards per verification (observe + 2 follow-up rounds)
-    assert stats.drafter_forwards <= 3 * (stats.iterations + 1)
+    assert stats.iterations <= stats.drafter_forwards <= 3 * (stats.iterations + 1)
+    block = drafter.config.block_size
+    read = generator.committed_entries // block  # committed positions the drafter has read (the last chunk is not)
+    assert generator.cache.get_seq_length() == generator.committed_entries == read * block
+    assert out.shape[1] - 1 - sum(stats.accepted_per_iteration[-1:]) == read  # all but the last chunk were read
+    with torch.no_grad():
+        hidden = target(out, output_hidden_states=True).hidden_states
+    features = torch.cat([hidden[i][0] for i in drafter.config.feature_layers], dim=-1)
+    fresh = get_candidate_generator(drafter)
+    fresh.observe(features[:read], out[0, 1 : read + 1], first_position=1)
+    assert fresh.cache.get_seq_length() == generator.cache.get_seq_length()
+    for kept, once in zip(generator.cache.layers, fresh.cache.layers):
+        torch.testing.assert_close(kept.keys, once.keys, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(kept.values, once.values, rtol=1e-4, atol=1e-5)
 
 
 def test_prompt_read_in_chunks_equals_one_forward():

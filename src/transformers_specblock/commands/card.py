@@ -20,6 +20,7 @@ from transformers import AutoModel
 
 from ..hub.modelcard import build_model_card
 from ..models.tree_drafter.modeling_tree_drafter import TreeDraftModel
+from .errors import run_command
 
 
 def card_for_folder(folder: str | Path, repo_id: str | None = None) -> ModelCard:
@@ -31,10 +32,16 @@ def card_for_folder(folder: str | Path, repo_id: str | None = None) -> ModelCard
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """0, or 1 when ``--check`` found a stale card; 2 with one paragraph on stderr for a user error."""
+    return run_command("python -m transformers_specblock.commands.card", _card_command, argv)
+
+
+def _card_command(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("folders", nargs="+", help="saved drafter folders (config.json + model.safetensors)")
     parser.add_argument("--check", action="store_true", help="only compare; exit 1 if a README.md differs")
     parser.add_argument("--repo_id", default=None, help="Hub repository id to name in the card (one folder)")
+    parser.add_argument("--traceback", action="store_true", help="show the traceback of a user error")
     args = parser.parse_args(argv)
     stale = []
     for folder in map(Path, args.folders):

@@ -1,10 +1,13 @@
 """Command-line entry points of transformers-specblock.
 
-* ``specblock-train``: `train_main` (also ``accelerate launch -m transformers_specblock.train ...`` or
-  ``torchrun -m transformers_specblock.train ...``).
-* ``specblock-bench``: `bench_main`.
+* ``specblock-train``: `train_command` (`train_main`; also ``accelerate launch -m transformers_specblock.train ...``
+  or ``torchrun -m transformers_specblock.train ...``).
+* ``specblock-bench``: `bench_command` (`bench_main`).
 * ``specblock-convert``: `commands.convert.main` (drafter checkpoints to / from the published EAGLE-3 and SpecBlock
   reference layouts).
+
+The ``*_main`` functions raise; the ``*_command`` console scripts print a user error as one paragraph
+(`commands.errors`).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from ..hub.loading import DEVICE_HELP, DTYPE_CHOICES, DTYPE_HELP, load_model
 from ..hub.provenance import describe_device
 from ..hub.shipped import SHIPPED_DRAFTERS, resolve_drafter_path
 from .benchmark import REFERENCE, Method, run_benchmark, write_report
+from .errors import command
 from ..models.lookup_tree.modeling_lookup_tree import LookupTreeModel
 from ..models.tree_drafter.modeling_tree_drafter import TreeDraftModel
 from ..training import DataArguments, ModelArguments, SpecBlockTrainingArguments, run_training
@@ -276,3 +280,7 @@ def bench_main(argv: Sequence[str] | None = None) -> None:
     results.settings |= {"hardware": describe_device(target.device)}  # a CPU's flags decide whether bf16 pays
     write_report(results, args.output_dir)
     print((Path(args.output_dir) / "results.md").read_text())
+
+
+train_command = command("specblock-train", train_main)
+bench_command = command("specblock-bench", bench_main)

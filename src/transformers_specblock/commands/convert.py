@@ -28,6 +28,7 @@ from ..models.eagle3.modeling_eagle3 import Eagle3DraftModel
 from ..models.specblock.modeling_specblock import SpecBlockDraftModel
 from ..models.tree_drafter.checkpoint_io import read_config_dict
 from ..models.tree_drafter.modeling_tree_drafter import TreeDraftModel
+from .errors import run_command
 
 DRAFTER_CLASSES: tuple[type[TreeDraftModel], ...] = (Eagle3DraftModel, SpecBlockDraftModel, DFlashDraftModel)
 NATIVE = "native"
@@ -75,17 +76,19 @@ def convert(source: str, output: str, to: str, target: str | None = None) -> Tre
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """``specblock-convert``: 0 on success, 2 with one paragraph on stderr for a user error (`commands.errors`)."""
+    return run_command("specblock-convert", _convert_command, argv)
+
+
+def _convert_command(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("source", help="checkpoint folder, Hub id or shipped drafter name")
     parser.add_argument("output", help="folder to write")
     parser.add_argument("--to", required=True, choices=FORMATS, help="layout to write")
     parser.add_argument("--target", default=None, help="target model (needed with --to native, eagle3, speculators)")
+    parser.add_argument("--traceback", action="store_true", help="show the traceback of a user error")
     args = parser.parse_args(argv)
-    try:
-        convert(args.source, args.output, args.to, args.target)
-    except ValueError as error:
-        print(f"specblock-convert: {error}", file=sys.stderr)
-        return 2
+    convert(args.source, args.output, args.to, args.target)
     print(f"wrote {args.output} ({args.to})")
     return 0
 

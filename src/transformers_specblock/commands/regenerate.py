@@ -35,6 +35,7 @@ from ..hub.loading import DEVICE_HELP, DTYPE_CHOICES, DTYPE_HELP, load_model
 from ..hub.prompts import load_sharegpt_conversations
 from ..hub.provenance import resolve_base_model_id
 from ..training.data import REGENERATED_KEY, regeneration_record
+from .errors import command
 
 
 @dataclass
@@ -188,4 +189,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    command("python -m transformers_specblock.commands.regenerate", main)()

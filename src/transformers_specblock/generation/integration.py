@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import copy
 import functools
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -16,6 +19,29 @@ from .decoding import tree_speculative_decoding
 
 _STOCK_ASSISTED_DECODING = GenerationMixin._assisted_decoding
 _STOCK_VALIDATE_GENERATION_MODE = GenerationMixin._validate_generation_mode
+_SERVING: set[int] = set()  # id() of the drafters inside a tree-loop generate call now
+_SERVING_LOCK = threading.Lock()
+
+
+@contextmanager
+def serving(drafter: TreeDraftModel) -> Iterator[None]:
+    """Mark `drafter` busy for one tree-loop `generate` call; a second call while it is busy (another thread, or a
+    streamer / stopping criterion calling generate again) is a RuntimeError. A drafter keeps per-call state (its KV
+    cache and tree of the running call, `last_stats`) and state shared across calls (the "auto" budget's estimates,
+    online adaptation's signal and in-place weight updates), which two interleaved calls would corrupt."""
+    with _SERVING_LOCK:
+        if id(drafter) in _SERVING:
+            raise RuntimeError(
+                f"This {type(drafter).__name__} is already drafting for another generate call (another thread, or "
+                "generate called again from a streamer or stopping criterion). One drafter object serves one call at "
+                "a time: give each thread its own drafter (copy.deepcopy(drafter), or load it again)."
+            )
+        _SERVING.add(id(drafter))
+    try:
+        yield
+    finally:
+        with _SERVING_LOCK:
+            _SERVING.discard(id(drafter))
 
 
 def _assisted_decoding(
@@ -35,10 +61,11 @@ def _assisted_decoding(
     """`GenerationMixin._assisted_decoding`, routed to the tree loop when the assistant is a tree drafter and no
     `speculation_type` asks for transformers' own path (e.g. "dflash": a DFlash drafter verified as a chain)."""
     if isinstance(assistant_model, TreeDraftModel) and generation_config.speculation_type is None:
-        return tree_speculative_decoding(
-            self, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus, streamer,
-            assistant_model, **model_kwargs,
-        )  # fmt: skip
+        with serving(assistant_model):
+            return tree_speculative_decoding(
+                self, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus, streamer,
+                assistant_model, **model_kwargs,
+            )  # fmt: skip
     return _STOCK_ASSISTED_DECODING(
         self, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus, streamer,
         inputs_tensor, assistant_model, assistant_tokenizer, tokenizer, **model_kwargs,
@@ -103,7 +130,8 @@ def _custom_decoding(
         raise ValueError("SpecBlock drafting works with greedy decoding and sampling only: set num_beams=1.")
     if streamer is not None:
         streamer.put(input_ids.cpu())
-    return tree_speculative_decoding(
-        model, input_ids, logits_processor, stopping_criteria, generation_config,
-        streamer=streamer, assistant_model=assistant_model, **model_kwargs,
-    )  # fmt: skip
+    with serving(assistant_model):
+        return tree_speculative_decoding(
+            model, input_ids, logits_processor, stopping_criteria, generation_config,
+            streamer=streamer, assistant_model=assistant_model, **model_kwargs,
+        )  # fmt: skip

@@ -194,7 +194,14 @@ class DFlashDraftModel(PublishedCheckpointMixin, TreeDraftModel):
                                or a bool / additive 4D [B, 1, Q, S] mask (training: blocks see only their own
                                block and the context before their anchor)
         Returns `last_hidden_state` [B, Q, H] (after the final norm; the target's `lm_head` reads it).
+
+        Outside training the drafter follows its target's dtype, as `bind_target` does for the tree loop: called
+        with `noise_embeds` of another floating dtype (transformers' chain passes the target's own embeddings, and
+        feeds the output to the target's `lm_head`) it first casts its weights to that dtype, so a drafter saved in
+        bfloat16 serves a float32 target.
         """
+        if not self.training and noise_embeds.is_floating_point() and noise_embeds.dtype != self.dtype:
+            self.to(dtype=noise_embeds.dtype)
         context = self.fuse_context(context_hidden_states)
         hidden_states = noise_embeds.to(device=self.device, dtype=self.dtype)
         batch, q_len = hidden_states.shape[:2]

@@ -73,17 +73,31 @@ class TreeDraftModel(PreTrainedModel):
         return drafter
 
     @classmethod
-    def from_pretrained(cls, pretrained_model_name_or_path: Any, *args: Any, **kwargs: Any) -> "TreeDraftModel":
-        """`PreTrainedModel.from_pretrained`, then a check that the draft vocabulary maps to distinct target ids.
+    def from_pretrained(
+        cls, pretrained_model_name_or_path: Any, *args: Any, strict: bool = True, **kwargs: Any
+    ) -> "TreeDraftModel":
+        """`PreTrainedModel.from_pretrained`, strict, then a check that the draft vocabulary maps to distinct ids.
 
-        `pretrained_model_name_or_path` may also be a shipped drafter's name (``"specblock-smollm2-135m-instruct"``,
-        see `transformers_specblock.hub.SHIPPED_DRAFTERS`): a local folder of that name wins; a Hub id or any other
-        value is passed through unchanged (`hub.shipped.resolve_drafter_path`).
+        Strict (the default): a weight the checkpoint lacks, holds in excess or holds in another shape is a ValueError
+        naming the keys (transformers alone would initialise a missing weight afresh and only log it: a drafter that
+        runs and accepts nothing). `strict=False` opts out (transformers' own rules and load report); so does
+        `ignore_mismatched_sizes=True` for shapes alone. `pretrained_model_name_or_path` may also be a shipped
+        drafter's name (``"specblock-smollm2-135m-instruct"``, see `transformers_specblock.hub.SHIPPED_DRAFTERS`): a
+        local folder of that name wins; a Hub id or any other value is passed through unchanged
+        (`hub.shipped.resolve_drafter_path`).
         """
-        model = super().from_pretrained(resolve_drafter_path(pretrained_model_name_or_path), *args, **kwargs)
-        loaded = model[0] if isinstance(model, tuple) else model  # output_loading_info=True returns a tuple
-        loaded.check_draft_vocab()
-        return model
+        path = resolve_drafter_path(pretrained_model_name_or_path)
+        if not strict:
+            model = super().from_pretrained(path, *args, **kwargs)
+            (model[0] if isinstance(model, tuple) else model).check_draft_vocab()
+            return model
+        wants_info = kwargs.pop("output_loading_info", False)
+        shapes_tolerated = kwargs.get("ignore_mismatched_sizes", False)
+        kwargs["ignore_mismatched_sizes"] = True  # report a misshapen weight by name instead of a RuntimeError
+        model, info = super().from_pretrained(path, *args, output_loading_info=True, **kwargs)
+        check_loading_info(info, cls.__name__, str(pretrained_model_name_or_path), shapes_tolerated)
+        model.check_draft_vocab()
+        return (model, info) if wants_info else model
 
     def check_draft_vocab(self) -> None:
         """Raise a ValueError unless `d2t` holds `draft_vocab_size` distinct target ids and `t2d` marks exactly them
@@ -236,6 +250,28 @@ class TreeDraftModel(PreTrainedModel):
         with torch.no_grad():
             emb = self.target_embedding(input_ids.to(_execution_device(self.target_embedding)))
         return emb.to(device=self.device, dtype=self.dtype)
+
+
+def check_loading_info(info: dict[str, Any], class_name: str, source: str, shapes_tolerated: bool = False) -> None:
+    """Raise a ValueError naming the missing, unexpected and misshapen keys (and load errors) of a load report."""
+    problems = []
+    for kind in ("missing", "unexpected"):
+        keys = sorted(info.get(f"{kind}_keys") or ())
+        if keys:
+            problems.append(f"{len(keys)} {kind} key(s) {keys[:8]}")
+    mismatched = sorted(info.get("mismatched_keys") or ()) if not shapes_tolerated else []
+    if mismatched:
+        shown = [f"{key} (checkpoint {list(saved)}, model {list(model)})" for key, saved, model in mismatched[:8]]
+        problems.append(f"{len(mismatched)} misshapen key(s) {shown}")
+    if info.get("error_msgs"):
+        problems.append(f"load errors {list(info['error_msgs'])[:4]}")
+    if problems:
+        raise ValueError(
+            f"{source} does not fit a {class_name} with its config.json: {'; '.join(problems)}. Loading is strict "
+            "(a freshly initialised weight would give a drafter that runs and accepts nothing): the checkpoint is "
+            "incomplete, or was written by other code or for another config. Pass strict=False to load it anyway "
+            "(missing weights initialised afresh, extra ones dropped)."
+        )
 
 
 def _execution_device(module: nn.Module) -> torch.device:

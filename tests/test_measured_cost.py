@@ -1,0 +1,30 @@
+"""`measure_target_cost` times real target forwards: exactly one warm-up + `repeats` timed verifications per tree
+size after one context prefill, of the right shapes, keeps the fastest repeat, and turns timing noise into a curve
+that never falls (a larger tree never costs less), cached per model and device. The clock is scripted, so each
+number is exact."""
+
+from __future__ import annotations
+
+import itertools
+
+
+import transformers_specblock.generation.budget as budget
+from conftest import make_target
+
+
+def test_measured_cost_counts_forwards_keeps_the_fastest_and_never_falls(monkeypatch):
+    target = make_target("llama", vocab_size=24)
+    calls = []
+    handle = target.register_forward_hook(lambda module, args, kwargs, out: calls.append(
+        (kwargs.get("input_ids", args[0] if args else None)).shape[1]), with_kwargs=True)  # fmt: skip
+    # raw durations per size (warm-up first, then 3 repeats): size 2 is noisy-slow, size 4 cheaper than size 3
+    durations = {0: [9, 5, 4, 6], 2: [9, 8, 7, 9], 3: [9, 6, 6, 6], 4: [9, 5, 5, 9]}
+    ticks = itertools.chain.from_iterable((0.0, d) for size in sorted(durations) for d in durations[size])
+    monkeypatch.setattr(budget.time, "perf_counter", lambda: next(ticks))
+    cost = budget.measure_target_cost(target, [4, 0, 3, 2], context_length=16, repeats=3)
+    handle.remove()
+    assert calls == [16] + [n + 1 for n in (0, 2, 3, 4) for _ in range(4)]  # prefill, then 4 forwards per size
+    assert cost.sizes == [0, 2, 3, 4]
+    # fastest of each size: 4, 7, 6, 5 -> then the cheapest of every larger size
+    assert cost.seconds == [4, 5, 5, 5]
+    assert budget.measure_target_cost(target, [0, 2, 3, 4], context_length=16, repeats=3) is cost  # cached
