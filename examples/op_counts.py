@@ -25,14 +25,17 @@ from transformers_specblock.hub.prompts import load_prompts
 from transformers_specblock.hub.provenance import describe_device
 from transformers_specblock.hub.shipped import resolve_drafter_path
 
+# the drafters' trees alone, as they shipped before their configs turned the free candidates on (comparable with
+# results/op-counts/before-f752bcf.json); the lookup tree with prompt lookup and the n-gram cache, no suffix cache
+ALONE = {"prompt_lookup_num_tokens": 0, "ngram_cache_num_tokens": 0, "suffix_cache_num_tokens": 0}
 RUNS = {
     "plain": (None, {}),
-    "specblock@8": ("specblock", {"tree_budget": 8}),
-    "eagle3@8": ("eagle3", {"tree_budget": 8}),
-    "dflash@8": ("dflash", {"tree_budget": 8}),
-    "lookup_tree@16": ("lookup_tree", {"tree_budget": 16}),
-    "specblock K4x2@32": ("specblock", {"tree_budget": 32, "max_blocks": 2}),
-    "eagle3 depth8@32": ("eagle3", {"tree_budget": 32, "tree_depth": 8}),
+    "specblock@8": ("specblock", {"tree_budget": 8, **ALONE}),
+    "eagle3@8": ("eagle3", {"tree_budget": 8, **ALONE}),
+    "dflash@8": ("dflash", {"tree_budget": 8, **ALONE}),
+    "lookup_tree@16": ("lookup_tree", {"tree_budget": 16, "suffix_cache_num_tokens": 0}),
+    "specblock K4x2@32": ("specblock", {"tree_budget": 32, "max_blocks": 2, **ALONE}),
+    "eagle3 depth8@32": ("eagle3", {"tree_budget": 32, "tree_depth": 8, **ALONE}),
 }
 
 

@@ -9,7 +9,7 @@ import torch
 
 from conftest import make_drafter, make_target
 from transformers_specblock.generation import CANDIDATE_GENERATOR_MAPPING
-from transformers_specblock.generation.budget import AutoBudget, TargetCost, auto_budget_for, best_budget
+from transformers_specblock.generation.budget import PLAIN, AutoBudget, TargetCost, auto_budget_for, best_budget
 from transformers_specblock.generation.tree import DraftTree
 from transformers_specblock.models.tree_drafter.configuration_tree_drafter import check_tree_budget
 
@@ -230,16 +230,45 @@ def test_auto_budget_zero_comes_back_when_acceptance_improves(monkeypatch):
         assert min(nodes[-10:]) >= vocab - 4 and sum(drafter.last_stats.accepted_per_iteration[-10:]) >= 17
 
 
+def chain_tree(length: int) -> DraftTree:
+    tree = DraftTree.root_only(0)
+    tree.add_nodes(torch.arange(1, length + 1), torch.arange(length), torch.arange(1, length + 1),
+                   -0.1 * torch.arange(1.0, length + 1))  # fmt: skip
+    return tree
+
+
 def test_worth_verifying_keeps_the_prefix_with_the_most_expected_tokens_per_second():
     """Node scores are log acceptance chances; a node is kept only while it pays for what it adds to T_M."""
     chooser = AutoBudget([0, 8], TargetCost([0, 8], [1.0, 1.8]), warmup=0)  # each node costs 0.1 step
     tree = DraftTree.root_only(0)
     chain = torch.tensor([0.9, 0.8, 0.5, 0.05, 0.01]).log().cumsum(0)  # path probabilities .9 .72 .36 .018 .00018
     tree.add_nodes(torch.arange(1, 6), torch.arange(0, 5), torch.arange(1, 6), chain)
-    kept = chooser.worth_verifying(tree)
+    (kept,) = chooser.worth_verifying([tree])
     # expected tokens / cost: n=0 1/1, n=1 1.9/1.1, n=2 2.62/1.2, n=3 2.98/1.3 (best), n=4 2.998/1.4
     assert kept.tokens.tolist() == [0, 1, 2, 3]
     hopeless = DraftTree.root_only(0)
     hopeless.add_nodes(torch.tensor([4]), torch.tensor([0]), torch.tensor([1]), torch.tensor([0.05]).log())
-    assert chooser.worth_verifying(hopeless).num_drafted == 0  # 1.05 / 1.1 < 1 / 1: plain step
-    assert AutoBudget([0, 8], chooser.cost, warmup=3).worth_verifying(hopeless).num_drafted == 1  # warming up: whole
+    assert chooser.worth_verifying([hopeless])[0].num_drafted == 0  # 1.05 / 1.1 < 1 / 1: plain step
+    assert AutoBudget([0, 8], chooser.cost, warmup=3).worth_verifying([hopeless])[0].num_drafted == 1  # warming up
+    # a batch: one forward verifies every row at the longest row's size, so a chain in one row of four pays only for
+    # its own tokens: n=2 (4 + 1.62) / 1.2 = 4.68 beats n=3 (4 + 1.98) / 1.3 = 4.60, where alone n=3 won
+    batch = chooser.worth_verifying([tree, DraftTree.root_only(0), DraftTree.root_only(0), DraftTree.root_only(0)])
+    assert [t.num_drafted for t in batch] == [2, 0, 0, 0]
+    assert [t.num_drafted for t in chooser.worth_verifying([tree, tree])] == [3, 3]  # (2 + 3.96) / 1.3 > 2 / 1
+
+
+def test_a_plain_step_wins_where_the_free_candidates_do_not_pay_for_their_own_time():
+    """Budget 0 with free candidates still runs the lookups: where their tau does not pay for their seconds, the
+    chooser picks a plain step (neither the drafter nor the lookups), and explores back up from it."""
+    cost = TargetCost([0, 8], [0.10, 0.18])
+    chooser = AutoBudget([0, 8], cost, warmup=0, free_at_zero=True)
+    for _ in range(8):
+        chooser.observe(chain_tree(8), torch.tensor([1]), drafting_seconds=0.05, budget=8)  # 2 tokens / 0.23 s
+        chooser.observe_free(chain_tree(2), torch.tensor([]), seconds=0.02)  # 1 token / 0.14 s
+    assert chooser.choose() == PLAIN  # 1 / 0.10 beats 2 / 0.23 and 1 / 0.14
+    chooser.set_batch_size(1)
+    chosen = [chooser.next_budget(explore_interval=4) for _ in range(8)]
+    assert chosen.count(PLAIN) == 6 and 0 in chosen and 8 in chosen  # explorations climb from PLAIN to 0, then 8
+    for _ in range(16):
+        chooser.observe_free(chain_tree(2), torch.tensor([1, 2]), seconds=0.02)  # the lookups start to pay
+    assert chooser.choose() == 0

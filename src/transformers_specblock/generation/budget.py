@@ -114,14 +114,24 @@ def batch_bucket(batch_size: int) -> int:
     return 1 << (batch_size - 1).bit_length()
 
 
+PLAIN = -1
+"""The choice below budget 0 for a drafter with free candidates: a plain step, neither the drafter nor the free
+candidates run (their lookups cost time of their own)."""
+
+
 def best_budget(
-    tau: dict[int, float], cost: TargetCost, drafting_seconds: float, sizes: dict[int, float] | None = None
-) -> int:
-    """The budget B maximising tau(B) / (T_M(size(B)) + T_D), where budget 0 (no speculation) drafts nothing and
-    size(B) is the mean number of nodes a tree of budget B verifies (B itself unless `sizes` says less: a drafter
-    or a lookup with fewer candidates than the budget verifies a smaller tree)."""
+    tau: dict[int, float], cost: TargetCost, drafting_seconds: float, sizes: dict[int, float] | None = None,
+    free_seconds: float = 0.0, plain: bool = False,
+) -> int:  # fmt: skip
+    """The budget B maximising tau(B) / (T_M(size(B)) + T_D), where budget 0 runs no drafter (it costs
+    `free_seconds`, the free candidates' time, where they are on) and size(B) is the mean number of nodes a tree of
+    budget B verifies (B itself unless `sizes` says less: a drafter or a lookup with fewer candidates than the budget
+    verifies a smaller tree). With `plain`, a plain step (`PLAIN`: 1 / T_M(0)) competes too."""
     sizes = sizes or {}
-    return max(tau, key=lambda b: tau[b] / (cost(sizes.get(b, b)) + (drafting_seconds if b else 0.0)))
+    rates = {b: tau[b] / (cost(sizes.get(b, b)) + (drafting_seconds if b else free_seconds)) for b in tau}
+    if plain:
+        rates[PLAIN] = 1.0 / cost(0)
+    return max(rates, key=rates.get)
 
 
 class RecentMean:
@@ -190,8 +200,9 @@ class AutoBudget:
         self.tau = {b: RecentMean(self.window, self.keep) for b in self.ladder if b > 0}
         self.size = {b: RecentMean(self.window, self.keep) for b in self.ladder if b > 0}
         self.drafting = RecentMean(self.window, self.keep)
-        self.free_tau = RecentMean(self.window, self.keep)  # budget 0 with free candidates: tau and size
+        self.free_tau = RecentMean(self.window, self.keep)  # budget 0 with free candidates: tau, size, and their
         self.free_size = RecentMean(self.window, self.keep)
+        self.free_seconds = RecentMean(self.window, self.keep)  # seconds per row
 
     @property
     def largest(self) -> int:
@@ -216,10 +227,13 @@ class AutoBudget:
         zero = self.free_tau.mean(self.clock) if self.free_tau.count else 1.0
         return {b: self.tau[b].mean(self.clock) if b else zero for b in self.ladder if b == 0 or self.tau[b].count}
 
-    def observe_free(self, tree: DraftTree, path: torch.LongTensor) -> None:
-        """Record a budget-0 step that verified only free candidates (`free_at_zero`)."""
+    def observe_free(self, tree: DraftTree, path: torch.LongTensor, seconds: float | None = None) -> None:
+        """Record a budget-0 step that verified only free candidates (`free_at_zero`), and their `seconds` for the
+        row."""
         self.free_tau.add(self.clock, path.numel() + 1.0)
         self.free_size.add(self.clock, float(tree.num_drafted))
+        if seconds is not None:
+            self.free_seconds.add(self.clock, seconds)
 
     def observe(
         self, tree: DraftTree, path: torch.LongTensor, drafting_seconds: float | None, budget: int | None = None
@@ -250,7 +264,8 @@ class AutoBudget:
 
     def choose(self) -> int:
         """The best budget now (no side effect): the largest while warming up, then a candidate never measured (the
-        largest such), then the argmax of tau(B) / (T_M(B) + T_D) (0 = do not speculate)."""
+        largest such), then the argmax of tau(B) / (T_M(B) + T_D) (0 = no drafter call; `PLAIN` = not even the free
+        candidates, where they do not pay for their own time either)."""
         if self.trees < self.warmup:
             return self.largest
         unmeasured = [b for b, stat in self.tau.items() if not stat.count]
@@ -259,33 +274,44 @@ class AutoBudget:
         tau = self.estimates()
         sizes = {b: self.size[b].mean(self.clock) for b in tau if b}
         sizes[0] = self.free_size.mean(self.clock) if self.free_size.count else 0.0
-        return best_budget(tau, self.cost, self.drafting.mean(self.clock) * self.batch_size, sizes)
+        free = self.free_seconds.mean(self.clock) * self.batch_size
+        drafting = self.drafting.mean(self.clock) * self.batch_size
+        return best_budget(tau, self.cost, drafting, sizes, free_seconds=free, plain=self.free_at_zero)
 
-    def worth_verifying(self, tree: DraftTree, drafted: bool = True) -> DraftTree:
-        """The prefix of `tree`'s pruning order with the most expected tokens per second: n maximising
-        (1 + sum of the first n nodes' path probabilities) / (T_M(n) + T_D), reading a node's exp(path score) as the
-        chance it is accepted (calibrated for free candidates, whose scores are learnt acceptance rates; the
-        drafter's own probability for its nodes). A strong lookup match is verified whole, weak guesses are left
-        out: the budget caps the tree, this sizes it per step. `drafted`: whether the drafter ran (T_D is counted)."""
-        if tree.num_drafted == 0 or self.trees < self.warmup:
-            return tree
-        order = tree.pruning_order()[1:]
-        accepted = (1.0 + torch.cumsum(tree.path_scores()[order].exp(), 0)).tolist()  # E[tokens] keeping n nodes
+    def worth_verifying(self, trees: list[DraftTree], drafted: bool = True) -> list[DraftTree]:
+        """The rows' trees cut to the common prefix length n of their pruning orders with the most expected tokens
+        per second for the whole batch: n maximising (rows + the sum over rows of their first n nodes' path
+        probabilities) / (T_M(n) + T_D), reading a node's exp(path score) as the chance it is accepted (calibrated for
+        free candidates, whose scores are learnt acceptance rates; the drafter's own probability for its nodes).
+        One forward verifies every row at the longest row's size, so a node pays only for what it adds to the
+        batch's forward. A strong lookup match is verified whole, weak guesses are left out: the budget caps the
+        tree, this sizes it per step. `drafted`: whether the drafter ran (its time T_D is counted)."""
+        longest = max(tree.num_drafted for tree in trees)
+        if longest == 0 or self.trees < self.warmup:
+            return trees
+        expected = torch.full((longest + 1,), float(len(trees)))  # E[tokens] over the rows keeping n nodes each
+        for tree in trees:
+            gains = torch.cumsum(tree.path_scores()[tree.pruning_order()[1:]].exp().cpu(), 0)
+            expected[1 : gains.numel() + 1] += gains
+            expected[gains.numel() + 1 :] += gains[-1] if gains.numel() else 0.0
         drafting = self.drafting.mean(self.clock) * self.batch_size if drafted else 0.0
-        rates = [1.0 / (self.cost(0) + drafting)] + [a / (self.cost(n) + drafting) for n, a in enumerate(accepted, 1)]
+        rates = [float(e) / (self.cost(n) + drafting) for n, e in enumerate(expected)]
         best = max(range(len(rates)), key=rates.__getitem__)
-        return tree.prune(best)
+        return [tree.prune(best) for tree in trees]
 
     def next_budget(self, explore_interval: int = DEFAULT_EXPLORE_INTERVAL) -> int:
         """The budget to draft with at this verified step (call once per step, budget-0 steps included): `choose()`,
-        or on every `explore_interval`-th step after the warm-up a larger candidate (see the class docstring)."""
+        or on every `explore_interval`-th step after the warm-up (every `explore_interval x batch_size`-th in a
+        batch, whose exploring step drafts for every row) a larger candidate (see the class docstring; `PLAIN` sits
+        below the ladder)."""
         self.clock += 1
         best = self.choose()
         if self.trees < self.warmup:
             return best
         self.steps += 1
-        index = self.ladder.index(best)
-        if self.steps % explore_interval or index == len(self.ladder) - 1:
+        index = self.ladder.index(best) if best != PLAIN else -1
+        # an exploring step drafts for every live row: a batch of B rows explores B times less often
+        if self.steps % (explore_interval * self.batch_size) or index == len(self.ladder) - 1:
             return best
         self.explorations += 1
         up = (self.explorations & -self.explorations).bit_length()  # 1, 2, 1, 3, 1, 2, 1, 4, ...

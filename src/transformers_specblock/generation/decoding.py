@@ -25,7 +25,7 @@ from ..models.tree_drafter.modeling_tree_drafter import TreeDraftModel
 from ..utils import sync
 from .acceptance import greedy_accept_rows, sample_accept
 from .adaptation import OnlineAdapter, online_adapter_for
-from .budget import AutoBudget, auto_budget_for
+from .budget import PLAIN, AutoBudget, auto_budget_for
 from .cache_utils import compact_cache, full_attention_cache, repack_cache
 from .candidate_generators import TreeCandidateGenerator, get_candidate_generator
 from .logits_process import TreeLogitsProcessor
@@ -268,7 +268,7 @@ class _Loop:
         how many tokens each row committed."""
         trees = [tree for tree, _ in drafted]
         if self.auto_budget is not None:  # verify only the part of each tree that pays for its nodes
-            trees = [self.auto_budget.worth_verifying(tree, drafted=budget > 0) for tree in trees]
+            trees = self.auto_budget.worth_verifying(trees, drafted=budget > 0)
         batch = TreeBatch.pad(trees)
         # verify
         device = self.model.device
@@ -305,7 +305,7 @@ class _Loop:
         rows_index = index.to(processed.device)[..., None].expand(-1, -1, processed.shape[-1])
         kept_scores = processed.gather(1, rows_index)  # [B, K, V]
         kept_raw = result.logits.gather(1, rows_index) if self.generation_config.output_logits else kept_scores
-        if budget > 0 or any(row.generator.free_candidates is not None for row in live):
+        if budget > 0 or (budget == 0 and any(row.generator.free_candidates is not None for row in live)):
             for i, (row, tree, (_, drafting_seconds)) in enumerate(zip(live, trees, drafted)):
                 self._learn(row, tree, index[i, 1 : lengths[i]], bonus[i : i + 1], result.logits[i, : len(tree)],
                             budget, drafting_seconds)  # fmt: skip
@@ -336,7 +336,7 @@ class _Loop:
         if self.auto_budget is not None and budget > 0:
             self.auto_budget.observe(tree, path, drafting_seconds, budget=budget)
         elif self.auto_budget is not None and self.auto_budget.free_at_zero:
-            self.auto_budget.observe_free(tree, path)
+            self.auto_budget.observe_free(tree, path, drafting_seconds)
 
 
 def _retire(live: list[Row], cache: DynamicCache, visible: torch.BoolTensor) -> tuple[list[Row], torch.BoolTensor]:
@@ -364,16 +364,17 @@ def _draft(
 ) -> tuple[DraftTree, float | None]:
     """Read the queued context and draft a tree of at most `budget` nodes after the committed tokens `sequence` [T]
     (budget 0: no drafter call, the root alone or, where the drafter has them, the free candidates' tree up to the
-    largest budget). Also returns the step's drafting seconds where they are representative of a steady step (the
-    drafter read just the previous step, not a prompt or several skipped steps), else None."""
-    if budget == 0 and generator.free_candidates is None:
+    largest budget; `PLAIN`: the root alone). Also returns the step's drafting seconds where they are
+    representative of a steady step (the drafter read just the previous step, not a prompt or several skipped
+    steps; at budget 0 the free candidates' seconds), else None."""
+    before = generator.stats.drafter_time_s
+    if budget == PLAIN or (budget == 0 and generator.free_candidates is None):
         return DraftTree.root_only(sequence[-1], device), None
     if budget == 0:
         generator.tree_budget = largest
-        return generator.draft_tree(sequence, with_drafter=False), None
+        return generator.draft_tree(sequence, with_drafter=False), generator.stats.drafter_time_s - before
     generator.tree_budget = budget
     steady = generator.has_read and len(generator.queued) == 1
-    before = generator.stats.drafter_time_s
     generator.read_queued()
     tree = generator.draft_tree(sequence)
     return tree, (generator.stats.drafter_time_s - before if steady else None)
