@@ -19,7 +19,8 @@ import torch
 from transformers import AutoModel
 
 from transformers_specblock import load_prompts
-from transformers_specblock.commands.benchmark import Method, run_benchmark, write_report
+from transformers_specblock.commands.benchmark import Method, run_benchmark
+from transformers_specblock.commands.report import write_report
 from transformers_specblock.commands.errors import command
 from transformers_specblock.hub.assets import explain_hub_errors
 from transformers_specblock.hub.loading import DEVICE_HELP, DTYPE_CHOICES, DTYPE_HELP, load_model

@@ -14,7 +14,8 @@ import torch
 from conftest import make_drafter, make_target
 from test_greedy_exactness import letter_tokenizer
 from transformers_specblock import Eagle3DraftModel
-from transformers_specblock.commands.benchmark import Method, markdown_tables, run_benchmark, write_report
+from transformers_specblock.commands.benchmark import Method, run_benchmark
+from transformers_specblock.commands.report import markdown_tables, write_report
 from transformers_specblock.commands.exactness import NEAR_TIE_GAP
 
 VOCAB = 24

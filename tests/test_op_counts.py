@@ -9,7 +9,8 @@ import torch
 from conftest import make_drafter, make_target
 from test_benchmark import tiny_setup
 from transformers_specblock import DFlashDraftModel, Eagle3DraftModel, LookupTreeModel
-from transformers_specblock.commands.benchmark import markdown_tables, run_benchmark
+from transformers_specblock.commands.benchmark import run_benchmark
+from transformers_specblock.commands.report import markdown_tables
 from transformers_specblock.generation.op_counter import count_ops
 
 pytestmark = pytest.mark.usefixtures("one_thread")

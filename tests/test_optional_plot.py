@@ -10,7 +10,8 @@ import textwrap
 import pytest
 
 from test_benchmark import tiny_setup
-from transformers_specblock.commands.benchmark import run_benchmark, write_report
+from transformers_specblock.commands.benchmark import run_benchmark
+from transformers_specblock.commands.report import write_report
 from transformers_specblock.training import plot_learning_curve
 from transformers_specblock.utils import import_pyplot
 

@@ -27,7 +27,8 @@ from ..hub.prompts import load_prompts
 from ..hub.loading import DEVICE_HELP, DTYPE_CHOICES, DTYPE_HELP, load_model
 from ..hub.provenance import describe_device
 from ..hub.shipped import SHIPPED_DRAFTERS, resolve_drafter_path
-from .benchmark import REFERENCE, Method, run_benchmark, write_report
+from .benchmark import REFERENCE, Method, run_benchmark
+from .report import write_report
 from .errors import command
 from ..models.lookup_tree.modeling_lookup_tree import LookupTreeModel
 from ..models.tree_drafter.modeling_tree_drafter import TreeDraftModel
