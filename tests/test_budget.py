@@ -272,3 +272,47 @@ def test_a_plain_step_wins_where_the_free_candidates_do_not_pay_for_their_own_ti
     for _ in range(16):
         chooser.observe_free(chain_tree(2), torch.tensor([1, 2]), seconds=0.02)  # the lookups start to pay
     assert chooser.choose() == 0
+
+
+def test_the_loops_own_time_per_step_is_weighed_beside_the_cost_curve():
+    """A step takes more than the target's forward (masks, acceptance, compaction, per-row bookkeeping): the chooser
+    learns what tree steps and plain steps took beyond the cost curve, so a tree that pays on the curve alone but
+    not in the loop is not drafted; a curve that says more than a step took is not lowered."""
+    cost = TargetCost([0, 8], [0.10, 0.15])
+    chooser = AutoBudget([0, 8], cost, warmup=0)
+    for _ in range(8):
+        chooser.observe(chain_tree(8), torch.tensor([1]), drafting_seconds=0.02, budget=8)  # 2 tokens per tree
+    assert chooser.choose() == 8  # on the curve: 2 / 0.17 beats 1 / 0.10
+    assert chooser.step_seconds(8) == cost(8)  # nothing measured yet
+    chooser.observe_step(0, 0.09)  # a plain step faster than the curve: no overhead (never a negative one)
+    assert chooser.step_seconds(0) == cost(0) and chooser.step_seconds(8) == cost(8)
+    for _ in range(4):
+        chooser.observe_step(0, 0.11)  # plain steps: 10 ms beyond the forward
+        chooser.observe_step(8, 0.25)  # tree steps: 100 ms beyond it
+    assert chooser.step_seconds(0) == pytest.approx(0.11) and chooser.step_seconds(8) == pytest.approx(0.25)
+    chooser.observe_step(8, 9.0)  # a one-off (a new kernel shape): the median of the recent steps does not move
+    assert chooser.step_seconds(8) == pytest.approx(0.25)
+    assert chooser.choose() == 0  # 1 / 0.11 beats 2 / 0.27
+    chooser.set_batch_size(4)  # another batch bucket: measured on its own (here: no timing, the curve alone)
+    assert chooser.step_seconds(8) == cost(8)
+
+
+def test_the_loop_times_every_step_for_the_chooser(monkeypatch):
+    """In a real batched loop each verified step reports its verified tree size (the padded trees') and its seconds
+    with drafting left out, to the chooser of its batch bucket; the output stays plain greedy."""
+    target = make_target("llama", vocab_size=24, seed=5)
+    drafter = make_drafter(target, tree_budget="auto", auto_budget_candidates=[0, 16], auto_budget_warmup=2)
+    prompts = torch.randint(1, 24, (3, 6), generator=torch.Generator().manual_seed(5))
+    reference = target.generate(prompts, max_new_tokens=24, do_sample=False)
+    chooser = auto_budget_for(drafter, target)
+    chooser.measure = lambda batch_size: chooser.cost  # (no timing of other buckets: not what is tested here)
+    reported = []
+    monkeypatch.setattr(AutoBudget, "observe_step", lambda self, size, seconds: reported.append((size, seconds)))
+    out = target.generate(prompts, assistant_model=drafter, max_new_tokens=24, do_sample=False)
+    assert out.tolist() == reference.tolist()
+    stats = drafter.last_stats
+    assert len(reported) == stats.target_forwards and all(seconds > 0 for _, seconds in reported)
+    # the steps verify 3 rows' trees while every row lives (24 tokens each: no row finishes early)
+    per_step = [max(stats.nodes_per_iteration[3 * i : 3 * i + 3]) for i in range(stats.target_forwards)]
+    assert [size for size, _ in reported] == per_step
+    assert sum(seconds for _, seconds in reported) < stats.total_time_s - stats.drafter_time_s

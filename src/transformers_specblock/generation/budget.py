@@ -7,7 +7,9 @@ keeps its first B nodes in pruning order, so the accepted path is cut where its 
 and the mean size such a tree verifies (less than B where fewer candidates were proposed: free candidates cost only
 the nodes they add), counting a tree only for the candidates it can tell about, with statistics over the last
 `window` verified steps, and explores budgets above its choice every `explore_interval` steps, so its choice
-follows a drafter or a device that changes.
+follows a drafter or a device that changes. T_M is the curve plus what the loop's own steps took beyond it
+(`AutoBudget.observe_step`: masks, acceptance, compaction and each row's bookkeeping, measured per batch bucket for
+tree steps and plain steps apart), so a tree that pays for its forward but not for the loop's work around it loses.
 
 The budget caps the tree; `AutoBudget.worth_verifying` then sizes each drafted tree, keeping the prefix of its
 pruning order with the most expected tokens per second (a node's exp(path score) read as its chance of acceptance).
@@ -19,6 +21,7 @@ exploring steps keep measuring larger budgets, so the drafter comes back when it
 
 from __future__ import annotations
 
+import statistics
 import time
 import weakref
 from collections import deque
@@ -120,7 +123,7 @@ candidates run (their lookups cost time of their own)."""
 
 
 def best_budget(
-    tau: dict[int, float], cost: TargetCost, drafting_seconds: float, sizes: dict[int, float] | None = None,
+    tau: dict[int, float], cost: Callable[[int], float], drafting_seconds: float, sizes: dict[int, float] | None = None,
     free_seconds: float = 0.0, plain: bool = False,
 ) -> int:  # fmt: skip
     """The budget B maximising tau(B) / (T_M(size(B)) + T_D), where budget 0 runs no drafter (it costs
@@ -150,8 +153,16 @@ class RecentMean:
             self.samples.popleft()
 
     def mean(self, step: int) -> float:
-        recent = [v for i, (s, v) in enumerate(reversed(self.samples)) if i < self.keep or s > step - self.window]
+        recent = self._recent(step)
         return sum(recent) / len(recent) if recent else 0.0
+
+    def median(self, step: int) -> float:
+        """The (low) median of the same samples: one-off spikes (a first call's new kernel shapes) do not move it."""
+        recent = self._recent(step)
+        return statistics.median_low(recent) if recent else 0.0
+
+    def _recent(self, step: int) -> list[float]:
+        return [v for i, (s, v) in enumerate(reversed(self.samples)) if i < self.keep or s > step - self.window]
 
 
 @dataclass
@@ -191,6 +202,9 @@ class AutoBudget:
     measure: Callable[[int], TargetCost] | None = None
     batch_size: int = 1
     batch_costs: dict[int, TargetCost] = field(default_factory=dict)
+    # measured seconds of a step (drafting excluded) beyond the cost curve's, per (batch bucket, whether a tree was
+    # verified): the loop's own work (masks, acceptance, compaction, bookkeeping per row), the real cache's length
+    step_overhead: dict[tuple[int, bool], RecentMean] = field(default_factory=dict)
     tau: dict[int, RecentMean] = field(init=False)  # committed tokens per tree, per candidate > 0
     size: dict[int, RecentMean] = field(init=False)  # nodes a tree of each candidate budget verifies
     drafting: RecentMean = field(init=False)  # drafter seconds per representative speculative step
@@ -220,6 +234,23 @@ class AutoBudget:
                     self.batch_costs[smaller] = self.measure(smaller)
         if bucket in self.batch_costs:
             self.cost = self.batch_costs[bucket]
+
+    def step_seconds(self, size: int) -> float:
+        """Seconds of a step verifying `size` drafted nodes in each live row, drafting excluded: the target's cost
+        curve plus what such steps took beyond it in the loop (a tree step not measured yet: as much as a plain one)."""
+        bucket = batch_bucket(self.batch_size)
+        for key in ((bucket, size > 0), (bucket, False)):
+            stat = self.step_overhead.get(key)
+            if stat is not None and stat.count:
+                return self.cost(size) + stat.median(self.clock)
+        return self.cost(size)
+
+    def observe_step(self, size: int, seconds: float) -> None:
+        """Record a step's `seconds` (drafting excluded) that verified `size` drafted nodes per row (the padded
+        tree's): what it took beyond the cost curve of its batch (none where the curve says more)."""
+        key = (batch_bucket(self.batch_size), size > 0)
+        overhead = max(0.0, seconds - self.cost(size))
+        self.step_overhead.setdefault(key, RecentMean(self.window, self.keep)).add(self.clock, overhead)
 
     def estimates(self) -> dict[int, float]:
         """The current tau estimate of every measured candidate (candidate 0: exactly 1, or the measured tau of the
@@ -276,7 +307,7 @@ class AutoBudget:
         sizes[0] = self.free_size.mean(self.clock) if self.free_size.count else 0.0
         free = self.free_seconds.mean(self.clock) * self.batch_size
         drafting = self.drafting.mean(self.clock) * self.batch_size
-        return best_budget(tau, self.cost, drafting, sizes, free_seconds=free, plain=self.free_at_zero)
+        return best_budget(tau, self.step_seconds, drafting, sizes, free_seconds=free, plain=self.free_at_zero)
 
     def worth_verifying(self, trees: list[DraftTree], drafted: bool = True) -> list[DraftTree]:
         """The rows' trees cut to the common prefix length n of their pruning orders with the most expected tokens
@@ -295,7 +326,7 @@ class AutoBudget:
             expected[1 : gains.numel() + 1] += gains
             expected[gains.numel() + 1 :] += gains[-1] if gains.numel() else 0.0
         drafting = self.drafting.mean(self.clock) * self.batch_size if drafted else 0.0
-        rates = [float(e) / (self.cost(n) + drafting) for n, e in enumerate(expected)]
+        rates = [float(e) / (self.step_seconds(n) + drafting) for n, e in enumerate(expected)]
         best = max(range(len(rates)), key=rates.__getitem__)
         return [tree.prune(best) for tree in trees]
 

@@ -170,8 +170,12 @@ def tree_speculative_decoding(
     live, visible = _retire(rows, loop.cache, visible)
     while live:
         budget = loop.budget(len(live), generators[0].tree_budget, drafter.config.auto_budget_explore_interval)
+        step_started, drafting_before = time.perf_counter(), _drafting_seconds(generators)
         drafted = [_draft(row.generator, row.committed, budget, loop.largest(budget), model.device) for row in live]
         visible, counts = loop.step(live, drafted, budget, visible)
+        if auto_budget is not None:  # the step's own seconds, drafting excluded: what the chooser weighs trees by
+            drafting = _drafting_seconds(generators) - drafting_before
+            auto_budget.observe_step(loop.verified_size, time.perf_counter() - step_started - drafting)
         if streamer is not None:
             streamer.put(live[0].sequence[-counts[0] :].cpu())
         live, visible = _retire(live, loop.cache, visible)
@@ -183,7 +187,7 @@ def tree_speculative_decoding(
     stats = loop.stats
     stats.new_tokens = sum(row.sequence.numel() for row in rows) - len(rows) * input_ids.shape[1]
     stats.drafter_forwards = sum(g.stats.drafter_forwards for g in generators)
-    stats.drafter_time_s = sum(g.stats.drafter_time_s for g in generators)
+    stats.drafter_time_s = _drafting_seconds(generators)
     per_row = [g.stats.accepted_by_source for g in generators]
     stats.accepted_by_source = {source: sum(counts[source] for counts in per_row) for source in per_row[0]}
     if adapter is not None:  # update after the call's last token, timed inside the call
@@ -215,6 +219,7 @@ class _Loop:
     drafts_ever: bool
     feature_layers: list[int] = field(default_factory=list)
     stats: SpecBlockStats = field(default_factory=SpecBlockStats)
+    verified_size: int = 0  # drafted nodes per row the last step verified (its padded trees')
 
     def prefill(
         self, input_ids: torch.LongTensor, mask_2d: torch.Tensor | None, generators: list[TreeCandidateGenerator]
@@ -270,6 +275,7 @@ class _Loop:
         if self.auto_budget is not None:  # verify only the part of each tree that pays for its nodes
             trees = self.auto_budget.worth_verifying(trees, drafted=budget > 0)
         batch = TreeBatch.pad(trees)
+        self.verified_size = batch.size - 1
         # verify
         device = self.model.device
         sync(device)
@@ -277,13 +283,15 @@ class _Loop:
         past_length = self.cache.get_seq_length()
         positions = torch.tensor([row.next_position for row in live])
         result = verify_trees(self.model, batch, self.cache, visible, positions, self.feature_layers)
-        processed = result.logits
+        # [B, N+1, V]: a greedy step without processors takes the argmax of the target's own logits (a float32 copy
+        # of every node's row would cost more than the argmax); the kept rows become float32 scores below
+        plain_greedy = not self.generation_config.do_sample and not len(self.logits_processor)
+        raw = result.logits if plain_greedy else result.logits.float()
+        processed = raw
         if len(self.logits_processor):
-            processed = processed.clone()
+            processed = raw.clone()
             for i, (row, tree) in enumerate(zip(live, trees)):
-                processed[i, : len(tree)] = self.tree_processor(
-                    row.sequence[None], result.logits[i, : len(tree)], tree, row.index
-                )
+                processed[i, : len(tree)] = self.tree_processor(row.sequence[None], raw[i, : len(tree)], tree, row.index)
         # accept
         if self.generation_config.do_sample:
             paths = [sample_accept(tree, processed[i, : len(tree)]) for i, tree in enumerate(trees)]
@@ -302,12 +310,10 @@ class _Loop:
         lengths = [len(nodes) for nodes in kept]
         last = torch.tensor(lengths, device=index.device)[:, None] - 1
         new_tokens = torch.cat([batch.tokens.gather(1, index)[:, 1:], bonus[:, None]], 1).scatter_(1, last, bonus[:, None])
-        rows_index = index.to(processed.device)[..., None].expand(-1, -1, processed.shape[-1])
-        kept_scores = processed.gather(1, rows_index)  # [B, K, V]
-        kept_raw = result.logits.gather(1, rows_index) if self.generation_config.output_logits else kept_scores
+        kept_scores, kept_raw = _kept_rows(kept, index, processed, raw, self.generation_config.output_logits)
         if budget > 0 or (budget == 0 and any(row.generator.free_candidates is not None for row in live)):
             for i, (row, tree, (_, drafting_seconds)) in enumerate(zip(live, trees, drafted)):
-                self._learn(row, tree, index[i, 1 : lengths[i]], bonus[i : i + 1], result.logits[i, : len(tree)],
+                self._learn(row, tree, index[i, 1 : lengths[i]], bonus[i : i + 1], raw[i, : len(tree)],
                             budget, drafting_seconds)  # fmt: skip
         self.stats.iterations += len(live)
         self.stats.nodes_per_iteration += [tree.num_drafted for tree in trees]
@@ -332,7 +338,7 @@ class _Loop:
         budget chooser's estimates."""
         row.generator.record_verified(tree, path)
         if self.adapter is not None and budget > 0:  # the verified rows teach the drafter (no extra target forward)
-            self.adapter.capture(row.generator, tree, path, bonus, logits)
+            self.adapter.capture(row.generator, tree, path, bonus, logits.float())
         if self.auto_budget is not None and budget > 0:
             self.auto_budget.observe(tree, path, drafting_seconds, budget=budget)
         elif self.auto_budget is not None and self.auto_budget.free_at_zero:
@@ -357,6 +363,25 @@ def _retire(live: list[Row], cache: DynamicCache, visible: torch.BoolTensor) -> 
             for row in live:
                 row.hidden -= drop
     return live, visible
+
+
+def _kept_rows(
+    kept: list[list[int]], index: torch.LongTensor, processed: torch.Tensor, raw: torch.Tensor, with_raw: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """[B, K, V] float32 processed scores (and raw logits where `with_raw`, else the scores again) of each row's
+    kept nodes `index` [B, K]: a slice where every row kept a prefix of its nodes (a plain step, a chain accepted
+    whole; a shorter row's entries past its own are never read), else a gather."""
+    if all(nodes == list(range(len(nodes))) for nodes in kept):
+        width = index.shape[1]
+        scores = processed[:, :width].float()
+        return scores, raw[:, :width].float() if with_raw else scores
+    rows_index = index.to(processed.device)[..., None].expand(-1, -1, processed.shape[-1])
+    scores = processed.gather(1, rows_index).float()
+    return scores, raw.gather(1, rows_index).float() if with_raw else scores
+
+
+def _drafting_seconds(generators: list[TreeCandidateGenerator]) -> float:
+    return sum(generator.stats.drafter_time_s for generator in generators)
 
 
 def _draft(

@@ -76,9 +76,9 @@ def commit(
 def record(row: Row, generation_config: GenerationConfig, processed: torch.Tensor, raw: torch.Tensor, count: int):
     """Keep the first `count` rows of this step's [n, V] processed scores and raw logits where they are asked for."""
     if generation_config.return_dict_in_generate and generation_config.output_scores:
-        row.scores += list(processed[:count])
+        row.scores += list(processed[:count].clone())  # a copy: not a view keeping the step's whole tree alive
     if generation_config.return_dict_in_generate and generation_config.output_logits:
-        row.logits += list(raw[:count])
+        row.logits += list(raw[:count].clone())
 
 
 def batch_output(

@@ -14,7 +14,8 @@ from .tree_batch import TreeBatch
 class Verification:
     """Target outputs for every node of every row (node 0 = the row's root).
 
-    logits:   [B, N+1, V] raw float32 next-token logits
+    logits:   [B, N+1, V] raw next-token logits, in the target's dtype (greedy acceptance reads their argmax as is;
+              scores, processors and sampling take float32, as transformers' generate does)
     features: [B, N+1, 3 * H] the drafter's three target hidden states, concatenated ([B, N+1, 0] if it reads none)
     """
 
@@ -41,13 +42,17 @@ def verify_trees(
     """Run the target once over every row's [root + drafted nodes] with the rows' tree masks and
     `position = root_positions[row] + depth` (prefix_visible [B, S]: the cached entries each row sees)."""
     device = target.device
+    if trees.size == 1:  # roots alone: a plain decoding step, masked from the 2D mask as transformers' generate does
+        mask = torch.cat([prefix_visible, trees.real.to(prefix_visible.device)], dim=1).long()
+    else:
+        mask = trees.attention_mask(prefix_visible, target.dtype)
     outputs = target(
         input_ids=trees.tokens.to(device),
-        attention_mask=trees.attention_mask(prefix_visible, target.dtype).to(device),
+        attention_mask=mask.to(device),
         position_ids=(root_positions[:, None].to(trees.depths.device) + trees.depths).to(device),
         past_key_values=cache,
         use_cache=True,
         output_hidden_states=feature_layers or False,
     )
     features = target_features(outputs, feature_layers, tuple(trees.tokens.shape), device)
-    return Verification(logits=outputs.logits.float(), features=features)
+    return Verification(logits=outputs.logits, features=features)
