@@ -1,5 +1,7 @@
-"""The tree loop's own overhead where nothing is drafted: budget 0 (`tree_budget="auto"` with the single candidate 0)
-against plain batched `generate`, at several batch sizes, interleaved repeats, on the packaged SmolLM2-135M-Instruct.
+"""The tree loop's own overhead where nothing is drafted: budget 0 (the shipped EAGLE-3 drafter with
+`tree_budget="auto"`, the single candidate 0 and the free candidates off: every step verifies the root alone, as a
+plain step does) against plain batched `generate`, at several batch sizes, interleaved repeats, on the packaged
+SmolLM2-135M-Instruct.
 
     python examples/batch_overhead.py --batch_sizes 1,16 --repeats 5 --dtype bfloat16 --output docs/results/batch-overhead
 
@@ -18,7 +20,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from transformers_specblock import LookupTreeModel, load_packaged_model, load_prompts
+from transformers_specblock import Eagle3DraftModel, load_packaged_model, load_prompts
 from transformers_specblock.hub.provenance import describe_device
 
 
@@ -33,8 +35,11 @@ def main() -> None:
 
     target, tokenizer = load_packaged_model("smollm2-135m-instruct")
     target = target.to(getattr(torch, args.dtype))
-    # candidates (0,): the loop never drafts - every step verifies the root alone, as a plain step does
-    drafter = LookupTreeModel.from_target(target, tree_budget="auto", auto_budget_candidates=[0])
+    # candidates (0,) and no free candidates: the loop never drafts - every step verifies the root alone
+    drafter = Eagle3DraftModel.from_pretrained(
+        "eagle3-smollm2-135m-instruct", tree_budget="auto", auto_budget_candidates=[0], prompt_lookup_num_tokens=0,
+        ngram_cache_num_tokens=0, suffix_cache_num_tokens=0, suffix_local_num_tokens=0,
+    ).to(target.dtype)
     prompts = load_prompts("mt_bench", num_prompts=max(int(b) for b in args.batch_sizes.split(",")), tokenizer=tokenizer)
     tokenizer.padding_side = "left"
     results = {"settings": vars(args) | {"hardware": describe_device(target.device)}, "batch_sizes": {}}

@@ -15,7 +15,9 @@ def greedy_accept_rows(trees: TreeBatch, processed: torch.Tensor) -> tuple[list[
     processed: [B, N+1, V]. Returns each row's kept nodes (root first, then the accepted nodes by depth; one host
     read for the whole batch) and the bonus tokens [B] (the target's pick after each row's last kept node).
     """
-    choice = processed.argmax(-1).to(trees.tokens.device)  # [B, N+1] target's pick after each node
+    # [B, N+1] the target's pick after each node: `max` returns the first maximal index as argmax does, at half the
+    # time of argmax on a CPU (and on bfloat16 rows as fast as on float32 ones)
+    choice = processed.max(-1).indices.to(trees.tokens.device)
     if trees.size == 1:  # roots alone: nothing to accept, the pick is the bonus
         return [[0]] * trees.tokens.shape[0], choice[:, 0]
     matches = (trees.tokens == choice.gather(1, trees.parents.clamp(min=0))) & trees.real

@@ -283,8 +283,8 @@ class _Loop:
         past_length = self.cache.get_seq_length()
         positions = torch.tensor([row.next_position for row in live])
         result = verify_trees(self.model, batch, self.cache, visible, positions, self.feature_layers)
-        # [B, N+1, V]: a greedy step without processors takes the argmax of the target's own logits (a float32 copy
-        # of every node's row would cost more than the argmax); the kept rows become float32 scores below
+        # [B, N+1, V]: a greedy step without processors picks from the target's own logits (a float32 copy of every
+        # node's row would cost as much as the pick); the kept rows become float32 scores below
         plain_greedy = not self.generation_config.do_sample and not len(self.logits_processor)
         raw = result.logits if plain_greedy else result.logits.float()
         processed = raw

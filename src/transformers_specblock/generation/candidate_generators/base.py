@@ -73,8 +73,8 @@ class TreeCandidateGenerator(CandidateGenerator):
     def __init__(self, drafter: TreeDraftModel, tree_budget: int | None = None) -> None:
         self.drafter = drafter
         budget = tree_budget if tree_budget is not None else drafter.config.tree_budget
-        if budget == AUTO:  # the loop sets the budget every iteration; start from the largest candidate
-            budget = max(drafter.config.auto_budget_candidates)
+        if budget == AUTO:  # the loop sets the budget every iteration; start from the largest candidate (candidates
+            budget = max(1, *drafter.config.auto_budget_candidates)  # [0]: never drafts, its settings still check)
         self.tree_budget = budget
         self.stats = DraftingStats()
         self.tree: DraftTree | None = None
