@@ -316,3 +316,17 @@ def test_the_loop_times_every_step_for_the_chooser(monkeypatch):
     per_step = [max(stats.nodes_per_iteration[3 * i : 3 * i + 3]) for i in range(stats.target_forwards)]
     assert [size for size, _ in reported] == per_step
     assert sum(seconds for _, seconds in reported) < stats.total_time_s - stats.drafter_time_s
+
+
+def test_a_chooser_that_does_not_draft_explores_where_the_drafter_would_draft():
+    """Chosen 0, the explorations alternate between the next rung (free candidates or the smallest tree) and the
+    rung above the drafter's best budget, so tau(8) and tau(16) - what decides whether drafting pays - are measured
+    again at every second exploration instead of every eighth."""
+    cost = TargetCost([0, 2, 4, 8, 16], [0.10, 0.10, 0.10, 0.11, 0.30])  # 8 is the drafter's best, 16 is too slow
+    chooser = AutoBudget([0, 2, 4, 8, 16], cost, warmup=0)
+    for _ in range(4):
+        chooser.observe(chain_tree(16), torch.arange(1, 6), drafting_seconds=0.6, budget=16)  # 6 tokens / 0.71 s
+    assert chooser.choose() == 0 and chooser._best(drafting_only=True) == 8
+    chooser.set_batch_size(1)
+    explored = [b for b in (chooser.next_budget(explore_interval=2) for _ in range(16)) if b]
+    assert explored == [2, 16, 2, 16, 2, 16, 2, 16]

@@ -183,8 +183,10 @@ class AutoBudget:
     Exploring: after `warmup` trees at the largest candidate, `next_budget` returns the best budget (`choose`),
     except on every `explore_interval`-th step, which drafts above it: the k-th exploration goes 1 + (trailing zeros
     of k) candidates up (capped at the largest), so the next larger candidate is measured at every exploration, the
-    one above it at every second, and so on. A candidate never measured is tried first. Budget 0 explores too, so it
-    is not absorbing.
+    one above it at every second, and so on; from a choice that does not draft (0 or `PLAIN`) every second
+    exploration goes at least to the rung above the drafter's best candidate, so the estimates that decide whether
+    drafting pays are refreshed where it would draft, not a rung at a time from the bottom. A candidate never
+    measured is tried first. Budget 0 explores too, so it is not absorbing.
     """
 
     candidates: list[int]
@@ -302,12 +304,19 @@ class AutoBudget:
         unmeasured = [b for b, stat in self.tau.items() if not stat.count]
         if unmeasured:
             return max(unmeasured)
-        tau = self.estimates()
+        return self._best()
+
+    def _best(self, drafting_only: bool = False) -> int:
+        """The argmax of tau(B) / (T_M(B) + T_D) over the measured candidates (`drafting_only`: over those > 0)."""
+        tau = {b: t for b, t in self.estimates().items() if b or not drafting_only}
+        if not tau:
+            return self.largest
         sizes = {b: self.size[b].mean(self.clock) for b in tau if b}
         sizes[0] = self.free_size.mean(self.clock) if self.free_size.count else 0.0
         free = self.free_seconds.mean(self.clock) * self.batch_size
         drafting = self.drafting.mean(self.clock) * self.batch_size
-        return best_budget(tau, self.step_seconds, drafting, sizes, free_seconds=free, plain=self.free_at_zero)
+        plain = self.free_at_zero and not drafting_only
+        return best_budget(tau, self.step_seconds, drafting, sizes, free_seconds=free, plain=plain)
 
     def worth_verifying(self, trees: list[DraftTree], drafted: bool = True) -> list[DraftTree]:
         """The rows' trees cut to the common prefix length n of their pruning orders with the most expected tokens
@@ -346,7 +355,10 @@ class AutoBudget:
             return best
         self.explorations += 1
         up = (self.explorations & -self.explorations).bit_length()  # 1, 2, 1, 3, 1, 2, 1, 4, ...
-        return self.ladder[min(index + up, len(self.ladder) - 1)]
+        explored = min(index + up, len(self.ladder) - 1)
+        if best <= 0 and up > 1:  # not drafting: measure the drafter where it would draft (a rung above its best)
+            explored = max(explored, min(self.ladder.index(self._best(drafting_only=True)) + 1, len(self.ladder) - 1))
+        return self.ladder[explored]
 
 
 def auto_budget_for(drafter: TreeDraftModel, target: PreTrainedModel) -> AutoBudget:
