@@ -13,7 +13,7 @@ import torch
 
 from conftest import make_drafter, make_target
 from test_greedy_exactness import letter_tokenizer
-from transformers_specblock import Eagle3DraftModel
+from transformers_specblock import Eagle3DraftModel, LookupTreeModel
 from transformers_specblock.commands.benchmark import Method, run_benchmark
 from transformers_specblock.commands.report import markdown_tables, write_report
 from transformers_specblock.commands.exactness import NEAR_TIE_GAP
@@ -248,3 +248,25 @@ def test_timed_calls_do_not_copy_answers_the_suffix_cache_remembers(tmp_path):
         first, second = (next(r for r in results.prompts if r.prompt_id == prompt_id and r.method == m)
                          for m in ("first", "second"))  # fmt: skip
         assert first.tau == second.tau and first.iterations == second.iterations, prompt_id
+
+
+def test_every_call_warm_up_included_serves_its_prompt_as_a_first_request(monkeypatch):
+    """Two methods on one drafter object (a fixed budget and "auto", as `specblock-bench` builds them): the second
+    method's warm-up must not find the first one's answer to the same prompt in the suffix cache (it would copy it,
+    and "auto" would learn from the warm-up that trees pay)."""
+    target, tokenizer, prompts, _, _ = tiny_setup()
+    drafter = LookupTreeModel.from_target(target, suffix_cache_num_tokens=8, prompt_lookup_num_tokens=0)
+    methods = [Method("lookup_tree@8", {"assistant_model": drafter}, {"tree_budget": 8}),
+               Method("lookup_tree", {"assistant_model": drafter}, {"tree_budget": "auto"})]  # fmt: skip
+    remembered = []
+    original = type(target).generate
+
+    def generate(self, *args, **kwargs):
+        if "assistant_model" in kwargs:
+            store = drafter.__dict__.get("_suffix_store")
+            remembered.append(len(store) if store is not None else 0)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(type(target), "generate", generate)
+    run_benchmark(target, tokenizer, prompts.select(range(2)), methods, max_new_tokens=8, warmup_tokens=4)
+    assert len(remembered) == 2 + 2 * 2 and remembered == [0] * len(remembered)  # 2 warm-up calls, 2 prompts x 2

@@ -11,7 +11,10 @@ from conftest import make_drafter, make_target
 from transformers_specblock.generation import CANDIDATE_GENERATOR_MAPPING
 from transformers_specblock.generation.budget import PLAIN, AutoBudget, TargetCost, auto_budget_for, best_budget
 from transformers_specblock.generation.tree import DraftTree
-from transformers_specblock.models.tree_drafter.configuration_tree_drafter import check_tree_budget
+from transformers_specblock.models.tree_drafter.configuration_tree_drafter import (
+    DEFAULT_EXPLORE_SHARE,
+    check_tree_budget,
+)
 
 
 def test_best_budget_on_synthetic_cpu_and_gpu_curves():
@@ -62,13 +65,15 @@ def _true_best(lengths: list[int], cost: TargetCost = STREAM_COST) -> int:
     return best_budget(tau, cost, drafting_seconds=0.3)
 
 
-def _run_stream(chooser: AutoBudget, regimes: list[list[int]], steps: int, seed: int) -> tuple[list[int], list[int]]:
+def _run_stream(
+    chooser: AutoBudget, regimes: list[list[int]], steps: int, seed: int, explore_share: float = 1.0
+) -> tuple[list[int], list[int]]:
     """Per step: the chooser's choice and the budget it drafted with."""
     rng = random.Random(seed)
     choices, drafted = [], []
     for regime in regimes:
         for _ in range(steps):
-            budget = chooser.next_budget(explore_interval=16)
+            budget = chooser.next_budget(explore_interval=16, explore_share=explore_share)
             choices.append(chooser.choose())
             drafted.append(budget)
             if budget:
@@ -86,8 +91,8 @@ def test_auto_budget_follows_a_change_halfway(direction, seed):
     best_before, best_after = _true_best(before), _true_best(after)
     assert {best_before, best_after} == {0, 8}
     chooser = AutoBudget([0, 2, 4, 8, 16], STREAM_COST)
-    steps, bound = 300, 150
-    choices, drafted = _run_stream(chooser, [before, after], steps, seed)
+    steps, bound = 300, 200
+    choices, drafted = _run_stream(chooser, [before, after], steps, seed, explore_share=DEFAULT_EXPLORE_SHARE)
     assert choices[steps - 50 : steps].count(best_before) >= 45  # it had settled before the change
     followed = [i - steps for i in range(steps, 2 * steps) if choices[i] == best_after]
     assert followed and followed[0] <= bound, f"the change was followed after {followed[:1]} steps (bound {bound})"
@@ -109,7 +114,7 @@ def test_auto_budget_estimates_above_the_choice_are_unbiased():
     seen = {b: [] for b in truth}
     rng = random.Random(1)
     for _ in range(300):  # keep going, recording the estimates: their average must be the truth
-        budget = chooser.next_budget(explore_interval=16)
+        budget = chooser.next_budget(explore_interval=16, explore_share=1.0)  # every 16th step: more samples
         chooser.observe(_chain(budget), torch.arange(1, min(rng.choice(lengths), budget) + 1), drafting_seconds=0.3)
         for b, value in chooser.estimates().items():
             if b:
@@ -267,7 +272,7 @@ def test_a_plain_step_wins_where_the_free_candidates_do_not_pay_for_their_own_ti
         chooser.observe_free(chain_tree(2), torch.tensor([]), seconds=0.02)  # 1 token / 0.14 s
     assert chooser.choose() == PLAIN  # 1 / 0.10 beats 2 / 0.23 and 1 / 0.14
     chooser.set_batch_size(1)
-    chosen = [chooser.next_budget(explore_interval=4) for _ in range(8)]
+    chosen = [chooser.next_budget(explore_interval=4, explore_share=1.0) for _ in range(8)]
     assert chosen.count(PLAIN) == 6 and 0 in chosen and 8 in chosen  # explorations climb from PLAIN to 0, then 8
     for _ in range(16):
         chooser.observe_free(chain_tree(2), torch.tensor([1, 2]), seconds=0.02)  # the lookups start to pay
@@ -328,5 +333,21 @@ def test_a_chooser_that_does_not_draft_explores_where_the_drafter_would_draft():
         chooser.observe(chain_tree(16), torch.arange(1, 6), drafting_seconds=0.6, budget=16)  # 6 tokens / 0.71 s
     assert chooser.choose() == 0 and chooser._best(drafting_only=True) == 8
     chooser.set_batch_size(1)
-    explored = [b for b in (chooser.next_budget(explore_interval=2) for _ in range(16)) if b]
-    assert explored == [2, 16, 2, 16, 2, 16, 2, 16]
+    explored = [b for b in (chooser.next_budget(explore_interval=2, explore_share=1.0) for _ in range(64)) if b]
+    assert explored[:6] == [2, 16, 2, 16, 2, 16]
+
+
+def test_exploring_takes_at_most_its_share_of_the_time():
+    """Where an exploring tree costs several plain steps (float32 on a CPU), explorations wait beyond the interval
+    until the steps since the previous one took 1 / share times the exploration's extra seconds."""
+    cost = TargetCost([0, 8], [0.10, 0.30])  # an 8-node tree costs 3 plain steps
+    chooser = AutoBudget([0, 8], cost, warmup=0)
+    for _ in range(4):
+        chooser.observe(chain_tree(8), torch.tensor([1]), drafting_seconds=0.1, budget=8)  # 2 tokens / 0.4 s
+    assert chooser.choose() == 0 and chooser.seconds(8) == pytest.approx(0.40) and chooser.seconds(0) == 0.10
+    chooser.set_batch_size(1)
+    chosen = [chooser.next_budget(explore_interval=4, explore_share=0.05) for _ in range(200)]
+    # an exploration costs 0.3 s beyond a 0.1 s step: at 5% of the time, one every 60 steps (not every 4th)
+    assert [i + 1 for i, b in enumerate(chosen) if b] == [60, 120, 180]
+    chooser.steps, chooser.explored_at = 0, 0
+    assert sum(1 for _ in range(64) if chooser.next_budget(explore_interval=4, explore_share=1.0)) == 16

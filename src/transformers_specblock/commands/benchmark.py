@@ -286,6 +286,9 @@ def run_benchmark(
         inputs = _encode(tokenizer, groups[0], target.device)
         for method in tqdm(all_methods, desc="warm-up"):
             torch.manual_seed(seed)
+            drafter = method.generate_kwargs.get("assistant_model")
+            if isinstance(drafter, TreeDraftModel):  # another method on this drafter object served this prompt
+                _forget_served_text(drafter)
             _generate(target, inputs, method, warmup_tokens, do_sample, generate_kwargs)
     for group in tqdm(groups, desc="benchmark prompts" if batch_size == 1 else "benchmark batches"):
         prompt_id = "+".join(str(row["id"]) for row in group)
@@ -349,9 +352,10 @@ def run_benchmark(
 
 
 def _forget_served_text(drafter: TreeDraftModel) -> None:
-    """Every timed call serves its prompt as a first request: the suffix cache's memory of earlier calls (the warm-up,
-    another method on the same drafter object, this prompt) would let it copy an answer to this very prompt. The
-    cross-request memory is measured on request streams instead (`examples/suffix_streams.py`)."""
+    """Every timed call (and every warm-up call) serves its prompt as a first request: the suffix cache's memory of
+    earlier calls (the warm-up, another method on the same drafter object, this prompt) would let it copy an answer
+    to this very prompt - and "auto" would learn from the warm-up that trees pay. The cross-request memory is
+    measured on request streams instead (`examples/suffix_streams.py`)."""
     store = drafter.__dict__.get("_suffix_store")
     if store is not None:
         store.reset()

@@ -31,7 +31,7 @@ from typing import Callable
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from ..models.tree_drafter.configuration_tree_drafter import DEFAULT_EXPLORE_INTERVAL
+from ..models.tree_drafter.configuration_tree_drafter import DEFAULT_EXPLORE_INTERVAL, DEFAULT_EXPLORE_SHARE
 from ..models.tree_drafter.modeling_tree_drafter import TreeDraftModel
 from ..utils import sync
 from .cache_utils import truncate_cache
@@ -198,6 +198,7 @@ class AutoBudget:
     clock: int = 0  # verified steps (calls of next_budget)
     steps: int = 0  # verified steps after the warm-up: the exploration clock
     explorations: int = 0
+    explored_at: int = 0  # `steps` at the latest exploration
     free_at_zero: bool = False  # budget 0 verifies the free candidates' tree (no drafter call) instead of nothing
     # batches: the target's cost curve per batch bucket (`batch_bucket`), measured on first use by `measure`; `cost`
     # is the live batch's, and drafting (measured per row) is paid once per live row
@@ -339,26 +340,40 @@ class AutoBudget:
         best = max(range(len(rates)), key=rates.__getitem__)
         return [tree.prune(best) for tree in trees]
 
-    def next_budget(self, explore_interval: int = DEFAULT_EXPLORE_INTERVAL) -> int:
+    def next_budget(
+        self, explore_interval: int = DEFAULT_EXPLORE_INTERVAL, explore_share: float = DEFAULT_EXPLORE_SHARE
+    ) -> int:
         """The budget to draft with at this verified step (call once per step, budget-0 steps included): `choose()`,
-        or on every `explore_interval`-th step after the warm-up (every `explore_interval x batch_size`-th in a
-        batch, whose exploring step drafts for every row) a larger candidate (see the class docstring; `PLAIN` sits
-        below the ladder)."""
+        or, at least `explore_interval` steps after the previous exploration (`explore_interval x batch_size` in a
+        batch, whose exploring step drafts for every row) and once the steps since then took 1 / `explore_share`
+        times what the exploring step is expected to cost beyond a chosen one, a larger candidate (see the class
+        docstring; `PLAIN` sits below the ladder)."""
         self.clock += 1
         best = self.choose()
         if self.trees < self.warmup:
             return best
         self.steps += 1
         index = self.ladder.index(best) if best != PLAIN else -1
-        # an exploring step drafts for every live row: a batch of B rows explores B times less often
-        if self.steps % (explore_interval * self.batch_size) or index == len(self.ladder) - 1:
+        since = self.steps - self.explored_at
+        if since < explore_interval * self.batch_size or index == len(self.ladder) - 1:
             return best
-        self.explorations += 1
-        up = (self.explorations & -self.explorations).bit_length()  # 1, 2, 1, 3, 1, 2, 1, 4, ...
-        explored = min(index + up, len(self.ladder) - 1)
+        up = (self.explorations + 1 & -(self.explorations + 1)).bit_length()  # 1, 2, 1, 3, 1, 2, 1, 4, ...
+        explored = self.ladder[min(index + up, len(self.ladder) - 1)]
         if best <= 0 and up > 1:  # not drafting: measure the drafter where it would draft (a rung above its best)
-            explored = max(explored, min(self.ladder.index(self._best(drafting_only=True)) + 1, len(self.ladder) - 1))
-        return self.ladder[explored]
+            above = min(self.ladder.index(self._best(drafting_only=True)) + 1, len(self.ladder) - 1)
+            explored = max(explored, self.ladder[above])
+        if since * self.seconds(best) * explore_share < self.seconds(explored) - self.seconds(best):
+            return best
+        self.explorations, self.explored_at = self.explorations + 1, self.steps
+        return explored
+
+    def seconds(self, budget: int) -> float:
+        """The expected seconds of a step drafting with `budget` (`PLAIN`: a plain step) for the live batch."""
+        if budget == PLAIN or (budget == 0 and not self.free_at_zero):
+            return self.step_seconds(0)
+        size, drafting = (self.free_size, self.free_seconds) if budget == 0 else (self.size[budget], self.drafting)
+        nodes = size.mean(self.clock) if size.count else budget
+        return self.step_seconds(nodes) + drafting.mean(self.clock) * self.batch_size
 
 
 def auto_budget_for(drafter: TreeDraftModel, target: PreTrainedModel) -> AutoBudget:

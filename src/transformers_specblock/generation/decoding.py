@@ -20,7 +20,7 @@ from transformers import DynamicCache, GenerationConfig, LogitsProcessorList, Pr
 from transformers.generation import GenerateDecoderOnlyOutput
 from transformers.generation.streamers import BaseStreamer
 
-from ..models.tree_drafter.configuration_tree_drafter import AUTO
+from ..models.tree_drafter.configuration_tree_drafter import AUTO, TreeDrafterConfig
 from ..models.tree_drafter.modeling_tree_drafter import TreeDraftModel
 from ..utils import sync
 from .acceptance import greedy_accept_rows, sample_accept
@@ -169,7 +169,7 @@ def tree_speculative_decoding(
         streamer.put(rows[0].sequence[-1:].cpu())
     live, visible = _retire(rows, loop.cache, visible)
     while live:
-        budget = loop.budget(len(live), generators[0].tree_budget, drafter.config.auto_budget_explore_interval)
+        budget = loop.budget(len(live), generators[0].tree_budget, drafter.config)
         step_started, drafting_before = time.perf_counter(), _drafting_seconds(generators)
         drafted = [_draft(row.generator, row.committed, budget, loop.largest(budget), model.device) for row in live]
         visible, counts = loop.step(live, drafted, budget, visible)
@@ -256,12 +256,12 @@ class _Loop:
                 row.generator.queue(features[row.index][seen], context, first_position=1)
         return rows, visible
 
-    def budget(self, live_rows: int, fixed: int, explore_interval: int) -> int:
+    def budget(self, live_rows: int, fixed: int, config: TreeDrafterConfig) -> int:
         """This step's budget: the chooser's for the live batch, or the fixed one."""
         if self.auto_budget is None:
             return fixed
         self.auto_budget.set_batch_size(live_rows)
-        return self.auto_budget.next_budget(explore_interval)
+        return self.auto_budget.next_budget(config.auto_budget_explore_interval, config.auto_budget_explore_share)
 
     def largest(self, budget: int) -> int:
         return self.auto_budget.largest if self.auto_budget is not None else budget

@@ -16,6 +16,7 @@ from ...hub.shipped import resolve_drafter_path
 AUTO = "auto"
 DEFAULT_CANDIDATES = (0, 2, 4, 8, 16, 24, 32, 48, 64)
 DEFAULT_EXPLORE_INTERVAL = 32  # verified steps between two trees drafted above the chosen budget
+DEFAULT_EXPLORE_SHARE = 0.02  # ... at least; and at most this share of the decoding time goes to exploring
 # online_adaptation policies: no update / whole drafter after every call (OSD-style) / output side after every call /
 # cost-aware choice between skip and whole drafter / cost-aware choice between skip, output side and whole drafter
 ADAPTATION_POLICIES = ("off", "always", "head_only", "full", "bandit")
@@ -62,6 +63,10 @@ class TreeDrafterConfig(PretrainedConfig):
         auto_budget_explore_interval: With tree_budget="auto", every this many verified steps one tree is drafted
             above the chosen budget (also when the choice is 0), so larger budgets keep being measured and the
             choice can move up again.
+        auto_budget_explore_share: ... and an exploring tree waits until the steps since the previous one took
+            1 / share times the seconds it is expected to cost beyond a step at the chosen budget, so exploring
+            takes at most about this share of the time (where a tree costs several plain steps, e.g. in float32 on
+            a CPU, explorations are further apart than the interval).
         prompt_lookup_num_tokens: Free candidates from prompt lookup (0 = off): where the text's last n-gram occurred
             before (in the prompt or the generated text), the up to this many tokens that followed it become a chain
             of the tree, beside the drafter's nodes (merged where they agree).
@@ -130,6 +135,7 @@ class TreeDrafterConfig(PretrainedConfig):
         auto_budget_candidates: list[int] | tuple[int, ...] = DEFAULT_CANDIDATES,
         auto_budget_warmup: int = 8,
         auto_budget_explore_interval: int = DEFAULT_EXPLORE_INTERVAL,
+        auto_budget_explore_share: float = DEFAULT_EXPLORE_SHARE,
         prompt_lookup_num_tokens: int = 0,
         prompt_lookup_max_ngram_size: int = 3,
         prompt_lookup_min_ngram_size: int = 1,
@@ -178,6 +184,7 @@ class TreeDrafterConfig(PretrainedConfig):
         self.auto_budget_candidates = list(auto_budget_candidates)
         self.auto_budget_warmup = auto_budget_warmup
         self.auto_budget_explore_interval = auto_budget_explore_interval
+        self.auto_budget_explore_share = auto_budget_explore_share
         self.prompt_lookup_num_tokens = prompt_lookup_num_tokens
         self.prompt_lookup_max_ngram_size = prompt_lookup_max_ngram_size
         self.prompt_lookup_min_ngram_size = prompt_lookup_min_ngram_size
@@ -215,6 +222,9 @@ class TreeDrafterConfig(PretrainedConfig):
         interval = self.auto_budget_explore_interval
         if not isinstance(interval, int) or isinstance(interval, bool) or interval < 1:
             raise ValueError(f"auto_budget_explore_interval must be an int >= 1, got {interval!r}.")
+        share = self.auto_budget_explore_share
+        if not isinstance(share, (int, float)) or isinstance(share, bool) or not 0 < share <= 1:
+            raise ValueError(f"auto_budget_explore_share must be a number in (0, 1], got {share!r}.")
         if not isinstance(self.compile_drafter, bool):
             raise ValueError(f"compile_drafter must be True or False, got {self.compile_drafter!r}.")
         self._validate_lookup_settings()
