@@ -312,7 +312,7 @@ def test_the_loop_times_every_step_for_the_chooser(monkeypatch):
     chooser = auto_budget_for(drafter, target)
     chooser.measure = lambda batch_size: chooser.cost  # (no timing of other buckets: not what is tested here)
     reported = []
-    monkeypatch.setattr(AutoBudget, "observe_step", lambda self, size, seconds: reported.append((size, seconds)))
+    monkeypatch.setattr(AutoBudget, "observe_step", lambda self, size, seconds, drafting: reported.append((size, seconds)))
     out = target.generate(prompts, assistant_model=drafter, max_new_tokens=24, do_sample=False)
     assert out.tolist() == reference.tolist()
     stats = drafter.last_stats
@@ -351,3 +351,19 @@ def test_exploring_takes_at_most_its_share_of_the_time():
     assert [i + 1 for i, b in enumerate(chosen) if b] == [60, 120, 180]
     chooser.steps, chooser.explored_at = 0, 0
     assert sum(1 for _ in range(64) if chooser.next_budget(explore_interval=4, explore_share=1.0)) == 16
+
+
+def test_an_exploration_that_took_longer_than_expected_waits_longer():
+    """An idle drafter catches up on every skipped position before its exploring tree: what exploring steps really
+    took (beyond a step at the choice) spaces the next ones out when it exceeds what the estimates expect."""
+    cost = TargetCost([0, 8], [0.10, 0.12])
+    chooser = AutoBudget([0, 8], cost, warmup=0)
+    for _ in range(4):
+        chooser.observe(chain_tree(8), torch.tensor([], dtype=torch.long), drafting_seconds=0.02, budget=8)  # tau 1
+    chooser.set_batch_size(1)
+    chosen = [chooser.next_budget(explore_interval=4, explore_share=0.05) for _ in range(12)]
+    assert [i + 1 for i, b in enumerate(chosen) if b] == [8]  # 0.04 s beyond a 0.1 s step: 8 steps at 5%
+    chooser.observe_step(8, 0.15, drafting_seconds=0.35)  # the exploring step really took 0.5 s (catching up)
+    assert chooser.exploration_extra.median(chooser.clock) == pytest.approx(0.4)
+    chosen = [chooser.next_budget(explore_interval=4, explore_share=0.05) for _ in range(100)]
+    assert [i + 13 for i, b in enumerate(chosen) if b] == [8 + 80]  # 0.4 s beyond: 80 steps after step 8 at 5%

@@ -199,6 +199,7 @@ class AutoBudget:
     steps: int = 0  # verified steps after the warm-up: the exploration clock
     explorations: int = 0
     explored_at: int = 0  # `steps` at the latest exploration
+    explored_from: int | None = None  # the choice an exploring step left, until the step is timed
     free_at_zero: bool = False  # budget 0 verifies the free candidates' tree (no drafter call) instead of nothing
     # batches: the target's cost curve per batch bucket (`batch_bucket`), measured on first use by `measure`; `cost`
     # is the live batch's, and drafting (measured per row) is paid once per live row
@@ -217,6 +218,7 @@ class AutoBudget:
         self.tau = {b: RecentMean(self.window, self.keep) for b in self.ladder if b > 0}
         self.size = {b: RecentMean(self.window, self.keep) for b in self.ladder if b > 0}
         self.drafting = RecentMean(self.window, self.keep)
+        self.exploration_extra = RecentMean(self.window, self.keep)  # what exploring steps took beyond chosen ones
         self.free_tau = RecentMean(self.window, self.keep)  # budget 0 with free candidates: tau, size, and their
         self.free_size = RecentMean(self.window, self.keep)
         self.free_seconds = RecentMean(self.window, self.keep)  # seconds per row
@@ -248,12 +250,18 @@ class AutoBudget:
                 return self.cost(size) + stat.median(self.clock)
         return self.cost(size)
 
-    def observe_step(self, size: int, seconds: float) -> None:
+    def observe_step(self, size: int, seconds: float, drafting_seconds: float = 0.0) -> None:
         """Record a step's `seconds` (drafting excluded) that verified `size` drafted nodes per row (the padded
-        tree's): what it took beyond the cost curve of its batch (none where the curve says more)."""
+        tree's): what it took beyond the cost curve of its batch (none where the curve says more); for an exploring
+        step also what it took with its drafting (a drafter that sat idle catches up on every skipped position
+        first) beyond a step at the choice."""
         key = (batch_bucket(self.batch_size), size > 0)
         overhead = max(0.0, seconds - self.cost(size))
         self.step_overhead.setdefault(key, RecentMean(self.window, self.keep)).add(self.clock, overhead)
+        if self.explored_from is not None:
+            extra = seconds + drafting_seconds - self.seconds(self.explored_from)
+            self.exploration_extra.add(self.clock, max(0.0, extra))
+            self.explored_from = None
 
     def estimates(self) -> dict[int, float]:
         """The current tau estimate of every measured candidate (candidate 0: exactly 1, or the measured tau of the
@@ -362,9 +370,12 @@ class AutoBudget:
         if best <= 0 and up > 1:  # not drafting: measure the drafter where it would draft (a rung above its best)
             above = min(self.ladder.index(self._best(drafting_only=True)) + 1, len(self.ladder) - 1)
             explored = max(explored, self.ladder[above])
-        if since * self.seconds(best) * explore_share < self.seconds(explored) - self.seconds(best):
+        extra = self.seconds(explored) - self.seconds(best)  # expected, and as the latest explorations took
+        if self.exploration_extra.count:
+            extra = max(extra, self.exploration_extra.median(self.clock))
+        if since * self.seconds(best) * explore_share < extra:
             return best
-        self.explorations, self.explored_at = self.explorations + 1, self.steps
+        self.explorations, self.explored_at, self.explored_from = self.explorations + 1, self.steps, best
         return explored
 
     def seconds(self, budget: int) -> float:

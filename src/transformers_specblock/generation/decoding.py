@@ -175,7 +175,7 @@ def tree_speculative_decoding(
         visible, counts = loop.step(live, drafted, budget, visible)
         if auto_budget is not None:  # the step's own seconds, drafting excluded: what the chooser weighs trees by
             drafting = _drafting_seconds(generators) - drafting_before
-            auto_budget.observe_step(loop.verified_size, time.perf_counter() - step_started - drafting)
+            auto_budget.observe_step(loop.verified_size, time.perf_counter() - step_started - drafting, drafting)
         if streamer is not None:
             streamer.put(live[0].sequence[-counts[0] :].cpu())
         live, visible = _retire(live, loop.cache, visible)
