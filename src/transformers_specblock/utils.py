@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import statistics
+from collections import deque
 from typing import Any
 
 import torch
@@ -35,3 +37,31 @@ def import_pyplot() -> Any:
     import matplotlib.pyplot as plt
 
     return plt
+
+
+class RecentMean:
+    """The mean of the samples of the last `window` steps, and at least of the last `keep` samples (so a quantity
+    measured rarely keeps its latest measurements instead of none). `count` is the number of samples ever added."""
+
+    def __init__(self, window: int, keep: int) -> None:
+        self.window, self.keep = window, keep
+        self.samples: deque[tuple[int, float]] = deque()  # (step, value), oldest first
+        self.count = 0
+
+    def add(self, step: int, value: float) -> None:
+        self.samples.append((step, value))
+        self.count += 1
+        while len(self.samples) > self.keep and self.samples[0][0] <= step - self.window:
+            self.samples.popleft()
+
+    def mean(self, step: int) -> float:
+        recent = self._recent(step)
+        return sum(recent) / len(recent) if recent else 0.0
+
+    def median(self, step: int) -> float:
+        """The (low) median of the same samples: one-off spikes (a first call's new kernel shapes) do not move it."""
+        recent = self._recent(step)
+        return statistics.median_low(recent) if recent else 0.0
+
+    def _recent(self, step: int) -> list[float]:
+        return [v for i, (s, v) in enumerate(reversed(self.samples)) if i < self.keep or s > step - self.window]

@@ -1,5 +1,5 @@
 """Accept: per row, the longest path of its tree the target agrees with (greedy, all rows at once), or lossless
-speculative sampling (one row at a time)."""
+speculative sampling (one row at a time); then the kept nodes' scores."""
 
 from __future__ import annotations
 
@@ -63,3 +63,18 @@ def sample_accept(
             return torch.tensor(path, dtype=torch.long, device=tree.tokens.device), bonus
         path.append(accepted)
         node = accepted
+
+
+def kept_rows(
+    kept: list[list[int]], index: torch.LongTensor, processed: torch.Tensor, raw: torch.Tensor, with_raw: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """[B, K, V] float32 processed scores (and raw logits where `with_raw`, else the scores again) of each row's
+    kept nodes `index` [B, K]: a slice where every row kept a prefix of its nodes (a plain step, a chain accepted
+    whole; a shorter row's entries past its own are never read), else a gather."""
+    if all(nodes == list(range(len(nodes))) for nodes in kept):
+        width = index.shape[1]
+        scores = processed[:, :width].float()
+        return scores, raw[:, :width].float() if with_raw else scores
+    rows_index = index.to(processed.device)[..., None].expand(-1, -1, processed.shape[-1])
+    scores = processed.gather(1, rows_index).float()
+    return scores, raw.gather(1, rows_index).float() if with_raw else scores

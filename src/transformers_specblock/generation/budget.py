@@ -21,10 +21,8 @@ exploring steps keep measuring larger budgets, so the drafter comes back when it
 
 from __future__ import annotations
 
-import statistics
 import time
 import weakref
-from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -33,7 +31,7 @@ from transformers import DynamicCache, PreTrainedModel
 
 from ..models.tree_drafter.configuration_tree_drafter import DEFAULT_EXPLORE_INTERVAL, DEFAULT_EXPLORE_SHARE
 from ..models.tree_drafter.modeling_tree_drafter import TreeDraftModel
-from ..utils import sync
+from ..utils import RecentMean, sync
 from .cache_utils import truncate_cache
 from .lookup import LookupSettings
 from .tree import DraftTree
@@ -135,34 +133,6 @@ def best_budget(
     if plain:
         rates[PLAIN] = 1.0 / cost(0)
     return max(rates, key=rates.get)
-
-
-class RecentMean:
-    """The mean of the samples of the last `window` steps, and at least of the last `keep` samples (so a quantity
-    measured rarely keeps its latest measurements instead of none). `count` is the number of samples ever added."""
-
-    def __init__(self, window: int, keep: int) -> None:
-        self.window, self.keep = window, keep
-        self.samples: deque[tuple[int, float]] = deque()  # (step, value), oldest first
-        self.count = 0
-
-    def add(self, step: int, value: float) -> None:
-        self.samples.append((step, value))
-        self.count += 1
-        while len(self.samples) > self.keep and self.samples[0][0] <= step - self.window:
-            self.samples.popleft()
-
-    def mean(self, step: int) -> float:
-        recent = self._recent(step)
-        return sum(recent) / len(recent) if recent else 0.0
-
-    def median(self, step: int) -> float:
-        """The (low) median of the same samples: one-off spikes (a first call's new kernel shapes) do not move it."""
-        recent = self._recent(step)
-        return statistics.median_low(recent) if recent else 0.0
-
-    def _recent(self, step: int) -> list[float]:
-        return [v for i, (s, v) in enumerate(reversed(self.samples)) if i < self.keep or s > step - self.window]
 
 
 @dataclass

@@ -23,7 +23,7 @@ from transformers.generation.streamers import BaseStreamer
 from ..models.tree_drafter.configuration_tree_drafter import AUTO, TreeDrafterConfig
 from ..models.tree_drafter.modeling_tree_drafter import TreeDraftModel
 from ..utils import sync
-from .acceptance import greedy_accept_rows, sample_accept
+from .acceptance import greedy_accept_rows, kept_rows, sample_accept
 from .adaptation import OnlineAdapter, online_adapter_for
 from .budget import PLAIN, AutoBudget, auto_budget_for
 from .cache_utils import compact_cache, full_attention_cache, repack_cache
@@ -310,7 +310,7 @@ class _Loop:
         lengths = [len(nodes) for nodes in kept]
         last = torch.tensor(lengths, device=index.device)[:, None] - 1
         new_tokens = torch.cat([batch.tokens.gather(1, index)[:, 1:], bonus[:, None]], 1).scatter_(1, last, bonus[:, None])
-        kept_scores, kept_raw = _kept_rows(kept, index, processed, raw, self.generation_config.output_logits)
+        kept_scores, kept_raw = kept_rows(kept, index, processed, raw, self.generation_config.output_logits)
         if budget > 0 or (budget == 0 and any(row.generator.free_candidates is not None for row in live)):
             for i, (row, tree, (_, drafting_seconds)) in enumerate(zip(live, trees, drafted)):
                 self._learn(row, tree, index[i, 1 : lengths[i]], bonus[i : i + 1], raw[i, : len(tree)],
@@ -363,21 +363,6 @@ def _retire(live: list[Row], cache: DynamicCache, visible: torch.BoolTensor) -> 
             for row in live:
                 row.hidden -= drop
     return live, visible
-
-
-def _kept_rows(
-    kept: list[list[int]], index: torch.LongTensor, processed: torch.Tensor, raw: torch.Tensor, with_raw: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """[B, K, V] float32 processed scores (and raw logits where `with_raw`, else the scores again) of each row's
-    kept nodes `index` [B, K]: a slice where every row kept a prefix of its nodes (a plain step, a chain accepted
-    whole; a shorter row's entries past its own are never read), else a gather."""
-    if all(nodes == list(range(len(nodes))) for nodes in kept):
-        width = index.shape[1]
-        scores = processed[:, :width].float()
-        return scores, raw[:, :width].float() if with_raw else scores
-    rows_index = index.to(processed.device)[..., None].expand(-1, -1, processed.shape[-1])
-    scores = processed.gather(1, rows_index).float()
-    return scores, raw.gather(1, rows_index).float() if with_raw else scores
 
 
 def _drafting_seconds(generators: list[TreeCandidateGenerator]) -> float:
