@@ -2,7 +2,9 @@
 
     python examples/plot_batch_sweep.py out/batch --dtype float32
 
-Reads <root>/<dtype>-<dataset>-b<B>/results.json; writes <root>/<dtype>-batch-speedup.png and -batch-speedup.md.
+Reads <root>/<dtype>-<dataset>-b<B>/results.json and per_prompt.jsonl; writes <root>/<dtype>-batch-speedup.png and
+-batch-speedup.md. A cell: the speed-up of all the run's tokens (new tokens per second over plain's), the median of
+the per-batch ratios (one slow batch cannot decide it; at B = 16 the run is one batch) and tau.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import statistics
 from pathlib import Path
 
 from transformers_specblock.utils import import_pyplot
@@ -24,7 +27,9 @@ def main() -> None:
     runs: dict[str, dict[int, dict]] = {}
     for path in sorted(root.glob(f"{args.dtype}-*-b*/results.json")):
         dataset, batch = re.fullmatch(rf"{args.dtype}-(.+)-b(\d+)", path.parent.name).groups()
-        runs.setdefault(dataset, {})[int(batch)] = json.loads(path.read_text())
+        run = json.loads(path.read_text())
+        run["median_ratio"] = _median_ratios(path.parent / "per_prompt.jsonl")
+        runs.setdefault(dataset, {})[int(batch)] = run
     lines = []
     plt = import_pyplot()
     fig, axes = plt.subplots(1, len(runs), figsize=(6 * len(runs), 4.5), squeeze=False)
@@ -41,7 +46,9 @@ def main() -> None:
                     refused = by_batch[b]["settings"].get("refused", {})
                     cells.append("refused" if method in refused else "-")
                     continue
-                cells.append(f"{row['speedup']:.2f}x (tau {row['tau']:.2f})" if row["tau"] else f"{row['speedup']:.2f}x")
+                median = f"median {by_batch[b]['median_ratio'][method]:.2f}x"
+                cells.append(f"{row['speedup']:.2f}x ({median}, tau {row['tau']:.2f})" if row["tau"]
+                             else f"{row['speedup']:.2f}x ({median})")  # fmt: skip
                 xs.append(b)
                 ys.append(row["speedup"])
             lines.append(f"| {method} | " + " | ".join(cells) + " |")
@@ -58,6 +65,16 @@ def main() -> None:
     fig.savefig(root / f"{args.dtype}-batch-speedup.png", dpi=120)
     (root / f"{args.dtype}-batch-speedup.md").write_text("\n".join(lines))
     print("\n".join(lines))
+
+
+def _median_ratios(log: Path) -> dict[str, float]:
+    """Per method: the median over batches of plain's seconds / the method's seconds (same batch, same run)."""
+    rows = [json.loads(line) for line in log.read_text().splitlines() if line]
+    plain = {row["prompt_id"]: row["seconds"] for row in rows if row["method"] == "plain"}
+    ratios: dict[str, list[float]] = {}
+    for row in rows:
+        ratios.setdefault(row["method"], []).append(plain[row["prompt_id"]] / row["seconds"])
+    return {method: statistics.median(values) for method, values in ratios.items()}
 
 
 if __name__ == "__main__":
