@@ -367,3 +367,19 @@ def test_an_exploration_that_took_longer_than_expected_waits_longer():
     assert chooser.exploration_extra.median(chooser.clock) == pytest.approx(0.4)
     chosen = [chooser.next_budget(explore_interval=4, explore_share=0.05) for _ in range(100)]
     assert [i + 13 for i, b in enumerate(chosen) if b] == [8 + 80]  # 0.4 s beyond: 80 steps after step 8 at 5%
+
+
+def test_speculating_must_promise_the_minimum_gain_over_plain_decoding():
+    """A tree that promises 3% more tokens per second than plain decoding is not worth the risk (the estimates are
+    noisy): with min_gain 0.05 the chooser decodes plainly; one that promises 10% is drafted."""
+    cost = TargetCost([0, 4], [0.100, 0.150])
+    assert best_budget({0: 1.0, 4: 1.545}, cost, drafting_seconds=0.0) == 4  # 1.03 x plain
+    assert best_budget({0: 1.0, 4: 1.545}, cost, drafting_seconds=0.0, min_gain=0.05) == 0
+    assert best_budget({0: 1.0, 4: 1.65}, cost, drafting_seconds=0.0, min_gain=0.05) == 4  # 1.10 x plain
+    # with free candidates, PLAIN is the option that does not speculate: budget 0 must beat it too
+    assert best_budget({0: 1.02}, cost, 0.0, plain=True) == 0 and best_budget({0: 1.02}, cost, 0.0, plain=True,
+                                                                             min_gain=0.05) == PLAIN  # fmt: skip
+    target = make_target("llama", vocab_size=24, seed=2)
+    assert auto_budget_for(make_drafter(target, tree_budget="auto"), target).min_gain == 0.05  # the config's
+    with pytest.raises(ValueError, match="auto_budget_min_gain"):
+        make_drafter(target, tree_budget="auto", auto_budget_min_gain=-0.1)

@@ -122,16 +122,20 @@ candidates run (their lookups cost time of their own)."""
 
 def best_budget(
     tau: dict[int, float], cost: Callable[[int], float], drafting_seconds: float, sizes: dict[int, float] | None = None,
-    free_seconds: float = 0.0, plain: bool = False,
+    free_seconds: float = 0.0, plain: bool = False, min_gain: float = 0.0,
 ) -> int:  # fmt: skip
     """The budget B maximising tau(B) / (T_M(size(B)) + T_D), where budget 0 runs no drafter (it costs
     `free_seconds`, the free candidates' time, where they are on) and size(B) is the mean number of nodes a tree of
     budget B verifies (B itself unless `sizes` says less: a drafter or a lookup with fewer candidates than the budget
-    verifies a smaller tree). With `plain`, a plain step (`PLAIN`: 1 / T_M(0)) competes too."""
+    verifies a smaller tree). With `plain`, a plain step (`PLAIN`: 1 / T_M(0)) competes too. A budget that speculates
+    must beat the one that does not (`PLAIN`, else 0) by `min_gain` (0.05: 5% more tokens per second)."""
     sizes = sizes or {}
     rates = {b: tau[b] / (cost(sizes.get(b, b)) + (drafting_seconds if b else free_seconds)) for b in tau}
     if plain:
         rates[PLAIN] = 1.0 / cost(0)
+    plainly = PLAIN if plain else 0
+    if plainly in rates:
+        rates[plainly] *= 1.0 + min_gain
     return max(rates, key=rates.get)
 
 
@@ -171,6 +175,7 @@ class AutoBudget:
     explored_at: int = 0  # `steps` at the latest exploration
     explored_from: int | None = None  # the choice an exploring step left, until the step is timed
     free_at_zero: bool = False  # budget 0 verifies the free candidates' tree (no drafter call) instead of nothing
+    min_gain: float = 0.0  # what speculating must promise beyond plain decoding (`best_budget`)
     # batches: the target's cost curve per batch bucket (`batch_bucket`), measured on first use by `measure`; `cost`
     # is the live batch's, and drafting (measured per row) is paid once per live row
     measure: Callable[[int], TargetCost] | None = None
@@ -295,7 +300,8 @@ class AutoBudget:
         free = self.free_seconds.mean(self.clock) * self.batch_size
         drafting = self.drafting.mean(self.clock) * self.batch_size
         plain = self.free_at_zero and not drafting_only
-        return best_budget(tau, self.step_seconds, drafting, sizes, free_seconds=free, plain=plain)
+        return best_budget(tau, self.step_seconds, drafting, sizes, free_seconds=free, plain=plain,
+                           min_gain=self.min_gain)  # fmt: skip
 
     def worth_verifying(self, trees: list[DraftTree], drafted: bool = True) -> list[DraftTree]:
         """The rows' trees cut to the common prefix length n of their pruning orders with the most expected tokens
@@ -372,6 +378,7 @@ def auto_budget_for(drafter: TreeDraftModel, target: PreTrainedModel) -> AutoBud
             candidates, measure_target_cost(target, sizes),
             warmup=config.auto_budget_warmup,
             free_at_zero=key[-1].enabled,
+            min_gain=config.auto_budget_min_gain,
             measure=lambda batch_size: measure_target_cost(target, sizes, BATCH_CONTEXT, batch_size=batch_size),
         )  # fmt: skip
     drafter.__dict__["_auto_budget"] = choosers[key]  # the chooser of the latest call, for inspection

@@ -17,6 +17,7 @@ AUTO = "auto"
 DEFAULT_CANDIDATES = (0, 2, 4, 8, 16, 24, 32, 48, 64)
 DEFAULT_EXPLORE_INTERVAL = 32  # verified steps between two trees drafted above the chosen budget
 DEFAULT_EXPLORE_SHARE = 0.02  # ... at least; and at most this share of the decoding time goes to exploring
+DEFAULT_MIN_GAIN = 0.05  # speculating must promise 5% more tokens per second than plain decoding
 # online_adaptation policies: no update / whole drafter after every call (OSD-style) / output side after every call /
 # cost-aware choice between skip and whole drafter / cost-aware choice between skip, output side and whole drafter
 ADAPTATION_POLICIES = ("off", "always", "head_only", "full", "bandit")
@@ -67,6 +68,9 @@ class TreeDrafterConfig(PretrainedConfig):
             1 / share times the seconds it is expected to cost beyond a step at the chosen budget, so exploring
             takes at most about this share of the time (where a tree costs several plain steps, e.g. in float32 on
             a CPU, explorations are further apart than the interval).
+        auto_budget_min_gain: With tree_budget="auto", a budget that speculates (a drafted tree, or the free
+            candidates' tree alone) is chosen only where it promises at least this much more tokens per second than
+            plain decoding (0.05: 5%): the estimates are noisy, and a marginal gain is not worth the risk of a loss.
         prompt_lookup_num_tokens: Free candidates from prompt lookup (0 = off): where the text's last n-gram occurred
             before (in the prompt or the generated text), the up to this many tokens that followed it become a chain
             of the tree, beside the drafter's nodes (merged where they agree).
@@ -136,6 +140,7 @@ class TreeDrafterConfig(PretrainedConfig):
         auto_budget_warmup: int = 8,
         auto_budget_explore_interval: int = DEFAULT_EXPLORE_INTERVAL,
         auto_budget_explore_share: float = DEFAULT_EXPLORE_SHARE,
+        auto_budget_min_gain: float = DEFAULT_MIN_GAIN,
         prompt_lookup_num_tokens: int = 0,
         prompt_lookup_max_ngram_size: int = 3,
         prompt_lookup_min_ngram_size: int = 1,
@@ -185,6 +190,7 @@ class TreeDrafterConfig(PretrainedConfig):
         self.auto_budget_warmup = auto_budget_warmup
         self.auto_budget_explore_interval = auto_budget_explore_interval
         self.auto_budget_explore_share = auto_budget_explore_share
+        self.auto_budget_min_gain = auto_budget_min_gain
         self.prompt_lookup_num_tokens = prompt_lookup_num_tokens
         self.prompt_lookup_max_ngram_size = prompt_lookup_max_ngram_size
         self.prompt_lookup_min_ngram_size = prompt_lookup_min_ngram_size
@@ -225,6 +231,9 @@ class TreeDrafterConfig(PretrainedConfig):
         share = self.auto_budget_explore_share
         if not isinstance(share, (int, float)) or isinstance(share, bool) or not 0 < share <= 1:
             raise ValueError(f"auto_budget_explore_share must be a number in (0, 1], got {share!r}.")
+        gain = self.auto_budget_min_gain
+        if not isinstance(gain, (int, float)) or isinstance(gain, bool) or gain < 0:
+            raise ValueError(f"auto_budget_min_gain must be a number >= 0, got {gain!r}.")
         if not isinstance(self.compile_drafter, bool):
             raise ValueError(f"compile_drafter must be True or False, got {self.compile_drafter!r}.")
         self._validate_lookup_settings()
