@@ -7,7 +7,7 @@ three feature layers), the Llama-style decoder settings of its own layers, the d
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 from transformers import PretrainedConfig
 
@@ -29,6 +29,12 @@ def check_tree_budget(value: int | str) -> None:
     """A tree budget is a positive int or "auto"."""
     if value != AUTO and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
         raise ValueError(f'tree_budget must be a positive int or "auto", got {value!r}.')
+
+
+def check_number(name: str, value: Any, valid: Callable[[float], bool], expected: str, kind: str = "a number") -> None:
+    """Raise a ValueError unless `value` is an int or float (not a bool) that is `valid`."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not valid(value):
+        raise ValueError(f"{name} must be {kind} {expected}, got {value!r}.")
 
 
 def default_target_layer_ids(num_target_layers: int) -> list[int]:
@@ -228,12 +234,8 @@ class TreeDrafterConfig(PretrainedConfig):
         interval = self.auto_budget_explore_interval
         if not isinstance(interval, int) or isinstance(interval, bool) or interval < 1:
             raise ValueError(f"auto_budget_explore_interval must be an int >= 1, got {interval!r}.")
-        share = self.auto_budget_explore_share
-        if not isinstance(share, (int, float)) or isinstance(share, bool) or not 0 < share <= 1:
-            raise ValueError(f"auto_budget_explore_share must be a number in (0, 1], got {share!r}.")
-        gain = self.auto_budget_min_gain
-        if not isinstance(gain, (int, float)) or isinstance(gain, bool) or gain < 0:
-            raise ValueError(f"auto_budget_min_gain must be a number >= 0, got {gain!r}.")
+        check_number("auto_budget_explore_share", self.auto_budget_explore_share, lambda x: 0 < x <= 1, "in (0, 1]")
+        check_number("auto_budget_min_gain", self.auto_budget_min_gain, lambda x: x >= 0, ">= 0")
         if not isinstance(self.compile_drafter, bool):
             raise ValueError(f"compile_drafter must be True or False, got {self.compile_drafter!r}.")
         self._validate_lookup_settings()
@@ -276,11 +278,9 @@ class TreeDrafterConfig(PretrainedConfig):
                 f"prompt_lookup_max_ngram_size ({self.prompt_lookup_max_ngram_size})."
             )
 
-        factor, least_prob = self.suffix_cache_spec_factor, self.suffix_cache_min_token_prob
-        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor > 0:
-            raise ValueError(f"suffix_cache_spec_factor must be a number > 0, got {factor!r}.")
-        if isinstance(least_prob, bool) or not isinstance(least_prob, (int, float)) or not 0 <= least_prob <= 1:
-            raise ValueError(f"suffix_cache_min_token_prob must be a probability in [0, 1], got {least_prob!r}.")
+        check_number("suffix_cache_spec_factor", self.suffix_cache_spec_factor, lambda x: x > 0, "> 0")
+        check_number("suffix_cache_min_token_prob", self.suffix_cache_min_token_prob, lambda x: 0 <= x <= 1, "in [0, 1]",
+                     kind="a probability")  # fmt: skip
 
     def _validate_adaptation_settings(self) -> None:
         if self.online_adaptation not in ADAPTATION_POLICIES:
