@@ -12,8 +12,8 @@ from conftest import make_drafter, make_target
 from test_eagle3 import make_eagle3
 from test_sampling_lossless import ALPHA, exact_marginals, fit_pvalues, sample_counts
 from transformers_specblock import LookupTreeConfig, LookupTreeModel
-from transformers_specblock.generation.lookup import NgramCache, SourceScores, prompt_lookup_chains
-from transformers_specblock.generation.tree import SOURCE_BITS, DraftTree
+from transformers_specblock.generation.lookup import NgramCache, PromptLookup, SourceScores, prompt_lookup_chains
+from transformers_specblock.generation.tree import SOURCE_BITS, DraftTree, HostTree
 
 LOOKUP = dict(prompt_lookup_num_tokens=6, prompt_lookup_branches=3, ngram_cache_num_tokens=5)
 
@@ -29,6 +29,44 @@ def test_prompt_lookup_finds_recent_longest_matches_first():
     assert prompt_lookup_chains(text, 2, 2, 1, 4) == [(2, [7, 2]), (1, [6, 1])]
     assert prompt_lookup_chains(torch.tensor([4, 5, 6, 7]), 5, 3, 1, 4) == []  # nothing to copy
     assert prompt_lookup_chains(torch.tensor([7]), 5, 3, 1, 4) == []
+
+
+def _scan(text: list[int], num_tokens: int, max_n: int, min_n: int, branches: int) -> list[tuple[int, list[int]]]:
+    """Prompt lookup by scanning the whole text for its last n-gram (the reference)."""
+    chains: list[tuple[int, list[int]]] = []
+    for n in range(min(max_n, len(text) - 1), min_n - 1, -1):
+        for start in range(len(text) - 1 - n, -1, -1):
+            if text[start : start + n] == text[len(text) - n :]:
+                chain = text[start + n : start + n + num_tokens]
+                if not any(other[: len(chain)] == chain for _, other in chains):
+                    chains.append((n, chain))
+                    if len(chains) == branches:
+                        return chains
+    return chains
+
+
+def test_prompt_lookup_follows_a_growing_text_as_a_scan_of_it_would():
+    text = torch.randint(1, 6, (90,), generator=torch.Generator().manual_seed(3)).tolist()
+    lookup = PromptLookup(max_ngram_size=3, min_ngram_size=1)
+    for length in [*range(1, 30), *range(33, 91, 5)]:  # one token at a time, then several per step
+        assert lookup.chains(text[:length], 4, 3) == _scan(text[:length], 4, 3, 1, 3), length
+
+
+def test_a_host_tree_merges_and_prunes_as_the_device_tree():
+    generator = torch.Generator().manual_seed(5)
+    host, device = HostTree.root_only(3), DraftTree.root_only(3)
+    for i in range(14):
+        length = int(torch.randint(1, 6, (1,), generator=generator))
+        tokens = torch.randint(1, 5, (length,), generator=generator).tolist()
+        scores = ((torch.randn(length, generator=generator) * 2).round() / 2).cumsum(0).tolist()  # ties, rises
+        source = list(SOURCE_BITS)[1 + i % 4]
+        host.merge_chain(tokens, scores, source)
+        device.merge_chain(tokens, scores, source)
+    for budget in (1, 3, 8, 100):
+        got, expected = host.prune(budget).to_device("cpu"), device.prune(budget)
+        for name in ("tokens", "parents", "depths", "scores", "sources"):
+            assert torch.equal(getattr(got, name), getattr(expected, name)), (budget, name)
+        assert got.host() == (got.tokens.tolist(), got.parents.tolist(), got.depths.tolist(), got.scores.tolist())
 
 
 def test_ngram_cache_counts_and_walks():

@@ -1,9 +1,10 @@
 """Free candidates: prompt lookup, an n-gram cache and the suffix cache propose chains that join the drafter's tree.
 
-No source calls a model. `prompt_lookup_chains` copies what followed earlier occurrences of the text's last
-n-gram (in the prompt or the generated text; several matches give several branches); `NgramCache` walks a table of
-what followed every short n-gram of the committed text so far. `FreeCandidates` merges their chains into the tree
-(`DraftTree.merge_chain`: no duplicate siblings) with scores on the drafter's scale: a chain's node at depth d
+No source calls a model or reads the device: they follow each row's committed text on the host. `PromptLookup`
+copies what followed earlier occurrences of the text's last n-gram (in the prompt or the generated text; several
+matches give several branches); `NgramCache` walks a table of what followed every short n-gram of the committed
+text so far. `FreeCandidates` merges their chains into the tree (`DraftTree.merge_chain`, or `HostTree`'s for the
+free candidates alone: no duplicate siblings) with scores on the drafter's scale: a chain's node at depth d
 scores the sum of the log acceptance rates `SourceScores` learnt for its kind (the source; for prompt lookup also
 the matched n-gram length) at depths 1..d, so pruning to the tree budget (and `tree_budget="auto"`) ranks every
 candidate by one rule, whichever source proposed it. The suffix cache (`generation.suffix_cache`: the longest
@@ -16,35 +17,59 @@ from __future__ import annotations
 
 import math
 from collections import Counter, defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from ..models.tree_drafter.modeling_tree_drafter import TreeDraftModel
 from .suffix_cache import Proposal, SuffixCandidates, SuffixSettings, suffix_cache_for, target_fingerprint
-from .tree import DraftTree
+from .tree import DraftTree, HostTree
+
+
+class PromptLookup:
+    """Where every n-gram (n in [min_ngram_size, max_ngram_size]) of one growing text starts, indexed on the host as
+    the text grows, so the text's last n-gram is matched without scanning it (or reading the device)."""
+
+    def __init__(self, max_ngram_size: int, min_ngram_size: int) -> None:
+        self.sizes = range(min_ngram_size, max_ngram_size + 1)
+        self.starts: dict[int, defaultdict[tuple[int, ...], list[int]]] = {n: defaultdict(list) for n in self.sizes}
+        self.indexed = 0  # n-grams ending before this position are indexed
+
+    def update(self, text: list[int]) -> None:
+        """Index the n-grams of `text` (the whole committed text) ending before its last token, not indexed yet."""
+        for end in range(self.indexed + 1, len(text)):  # the n-grams text[end - n : end]
+            for n in self.sizes:
+                if end >= n:
+                    self.starts[n][tuple(text[end - n : end])].append(end - n)
+        self.indexed = max(self.indexed, len(text) - 1)
+
+    def chains(self, text: list[int], num_tokens: int, max_branches: int) -> list[tuple[int, list[int]]]:
+        """(n, continuation) of the earlier occurrences of the text's last n-gram, longest n first, most recent first.
+
+        Each match yields the (up to `num_tokens`) tokens that followed it; a continuation already proposed (or a
+        prefix of one) is skipped, and at most `max_branches` are returned.
+        """
+        self.update(text)
+        length = len(text)
+        chains: list[tuple[int, list[int]]] = []
+        for n in range(min(self.sizes.stop - 1, length - 1), self.sizes.start - 1, -1):
+            for start in reversed(self.starts[n].get(tuple(text[length - n :]), ())):  # most recent first
+                chain = text[start + n : start + n + num_tokens]
+                if not any(other[: len(chain)] == chain for _, other in chains):
+                    chains.append((n, chain))
+                    if len(chains) == max_branches:
+                        return chains
+        return chains
+
 
 def prompt_lookup_chains(
-    sequence: torch.LongTensor, num_tokens: int, max_ngram_size: int, min_ngram_size: int, max_branches: int
-) -> list[tuple[int, list[int]]]:
-    """(n, continuation) of the earlier occurrences of the text's last n-gram, longest n first, most recent first.
-
-    sequence: [T] committed tokens (prompt and generated). Each match at n in [min_ngram_size, max_ngram_size] yields
-    the (up to `num_tokens`) tokens that followed it; a continuation already proposed (or a prefix of one) is
-    skipped, and at most `max_branches` are returned.
-    """
-    length = sequence.shape[0]
-    chains: list[tuple[int, list[int]]] = []
-    for n in range(min(max_ngram_size, length - 1), min_ngram_size - 1, -1):
-        windows = sequence[: length - 1].unfold(0, n, 1)  # [T-n, n]: every n-gram ending before the last token
-        starts = (windows == sequence[length - n :]).all(dim=1).nonzero().squeeze(1).flip(0)  # most recent first
-        for start in starts.tolist():
-            chain = sequence[start + n : start + n + num_tokens].tolist()
-            if chain and not any(other[: len(chain)] == chain for _, other in chains):
-                chains.append((n, chain))
-                if len(chains) == max_branches:
-                    return chains
-    return chains
+    sequence: Sequence[int] | torch.LongTensor, num_tokens: int, max_ngram_size: int, min_ngram_size: int,
+    max_branches: int,
+) -> list[tuple[int, list[int]]]:  # fmt: skip
+    """`PromptLookup.chains` of one text [T] (prompt and generated tokens)."""
+    text = sequence.tolist() if isinstance(sequence, torch.Tensor) else list(sequence)
+    return PromptLookup(max_ngram_size, min_ngram_size).chains(text, num_tokens, max_branches)
 
 
 class NgramCache:
@@ -184,13 +209,19 @@ def free_candidates_for(drafter: TreeDraftModel) -> "FreeCandidates | None":
 
 
 class FreeCandidates:
-    """The free candidate sources of one `generate` call: proposes their chains into a tree, learns their scores
-    (`scores`, shared between calls through `source_scores_for`)."""
+    """The free candidate sources of one `generate` call's row: proposes their chains into a tree, learns their
+    scores (`scores`, shared between calls through `source_scores_for`). They read the row's committed text on the
+    host (`text`): read from the device once, then extended with the tokens the loop reads back each step."""
 
     def __init__(
         self, settings: LookupSettings, scores: SourceScores | None = None, suffix: SuffixCandidates | None = None
     ) -> None:
         self.settings = settings
+        self.text: list[int] | None = None  # the row's committed text on the host (see `follow`)
+        self.prompt_lookup = (
+            PromptLookup(settings.prompt_lookup_max_ngram_size, settings.prompt_lookup_min_ngram_size)
+            if settings.prompt_lookup_num_tokens else None
+        )  # fmt: skip
         self.scores = scores if scores is not None else SourceScores()
         self.ngram_cache = NgramCache(settings.ngram_cache_order) if settings.ngram_cache_num_tokens else None
         self.suffix = suffix
@@ -198,17 +229,25 @@ class FreeCandidates:
         self.streak = False  # whether the last verified tree accepted a suffix-cache chain whole
         self.long_chain = 0  # then: the longest suffix-cache chain of this tree (see `TreeCandidateGenerator`)
 
-    def add_to(self, tree: DraftTree, sequence: torch.LongTensor) -> None:
-        """Merge every source's chains for the committed `sequence` [T] (its last token is the root) into `tree`."""
+    def follow(self, sequence: torch.LongTensor) -> list[int]:
+        """The committed text `sequence` [T] on the host: the copy `extend` keeps in step, else (the first draft of
+        the call, or a text the loop did not extend) one read of the device. The sources follow one growing text."""
+        if self.text is None or len(self.text) != sequence.shape[0]:
+            self.text = sequence.tolist()
+        return self.text
+
+    def extend(self, tokens: list[int]) -> None:
+        """Tokens committed after the text `follow` last gave (the loop reads them back with its stopping flags)."""
+        if self.text is not None:
+            self.text += tokens
+
+    def add_to(self, tree: DraftTree | HostTree, text: list[int]) -> None:
+        """Merge every source's chains for the committed `text` [T] (its last token is the root) into `tree`."""
         s = self.settings
         self.proposed = []
-        if s.prompt_lookup_num_tokens:
-            chains = prompt_lookup_chains(
-                sequence, s.prompt_lookup_num_tokens, s.prompt_lookup_max_ngram_size, s.prompt_lookup_min_ngram_size,
-                s.prompt_lookup_branches,
-            )  # fmt: skip
+        if self.prompt_lookup is not None:
+            chains = self.prompt_lookup.chains(text, s.prompt_lookup_num_tokens, s.prompt_lookup_branches)
             self.proposed += [(f"prompt_lookup:{n}", chain) for n, chain in chains]
-        text = sequence.tolist() if self.ngram_cache is not None or self.suffix is not None else []
         if self.ngram_cache is not None:
             self.ngram_cache.update(text)
             chain = self.ngram_cache.chain(text, s.ngram_cache_num_tokens)
@@ -220,7 +259,7 @@ class FreeCandidates:
         suffix_chains = [len(chain) for kind, chain in self.proposed if kind.startswith("suffix")]
         self.long_chain = max(suffix_chains, default=0) if self.streak else 0
 
-    def _merge_tree(self, tree: DraftTree, proposal: Proposal) -> None:
+    def _merge_tree(self, tree: DraftTree | HostTree, proposal: Proposal) -> None:
         """Merge a suffix-cache tree: its most frequent branch is learnt (and scored) as a chain of its kind; a
         node off it scores its parent's score, plus the kind's learnt log rate at its depth, plus the log of its
         frequency relative to its most frequent sibling."""
@@ -249,14 +288,15 @@ class FreeCandidates:
             node = top_child.get(node)
         self.proposed.append((proposal.kind, main))
 
-    def record(self, tree: DraftTree, path: torch.LongTensor, eos_token_ids: set[int] = frozenset()) -> None:
-        """Learn from the verified (pruned) tree and its accepted path how far each proposed chain got."""
+    def record(self, tree: DraftTree, accepted: list[int], eos_token_ids: set[int] = frozenset()) -> None:
+        """Learn from the verified (pruned) tree and the drafted tokens the target accepted of it (in order) how far
+        each proposed chain got."""
         if self.suffix is not None:
-            self.suffix.accepted(tree.tokens[path].tolist(), eos_token_ids)
+            self.suffix.accepted(accepted, eos_token_ids)
         if not self.proposed:
             return
-        children = {(p, t): i for i, (p, t) in enumerate(zip(tree.parents.tolist(), tree.tokens.tolist()))}
-        accepted = tree.tokens[path].tolist()
+        tokens, parents, _, _ = tree.host()
+        children = {(p, t): i for i, (p, t) in enumerate(zip(parents, tokens))}
         self.streak = False
         for kind, chain in self.proposed:
             self.scores.record(kind, chain, children, accepted)
@@ -265,4 +305,4 @@ class FreeCandidates:
     def finish(self, sequence: torch.LongTensor) -> None:
         """The call's whole committed text [T], for the suffix store (else it keeps the text up to the last draft)."""
         if self.suffix is not None:
-            self.suffix.finish(sequence.tolist())
+            self.suffix.finish(self.follow(sequence))

@@ -47,10 +47,13 @@ def commit(
     """Append each row's accepted tokens [n_r], stopping a row at the first token a stopping criterion fires on.
 
     The criteria see [g, T] sequences: rows of equal length are asked together, once per token position, and all
-    their answers are read back at once (one host read per step). processed: each row's [n_r, V] scores. Returns
-    how many tokens each row kept; sets `Row.done`."""
-    extended = [torch.cat([row.sequence, new.to(row.sequence.device)]) for row, new in zip(rows, new_tokens)]
+    their answers are read back at once, with the new tokens (one host read per step: each row's generator gets
+    its tokens, `TreeCandidateGenerator.commit_tokens`). processed: each row's [n_r, V] scores. Returns how many
+    tokens each row kept; sets `Row.done`."""
+    new_tokens = [new.to(row.sequence.device) for row, new in zip(rows, new_tokens)]
+    extended = [torch.cat([row.sequence, new]) for row, new in zip(rows, new_tokens)]
     kept = [new.numel() for new in new_tokens]
+    offsets = [sum(kept[:r]) for r in range(len(rows) + 1)]  # each row's tokens in the host read
     asked: list[tuple[int, list[int]]] = []  # (token position, rows asked together)
     answers = []
     for i in range(max(kept, default=0)):
@@ -63,13 +66,16 @@ def commit(
             scores = torch.stack([processed[r][i] for r in members])
             asked.append((i, members))
             answers.append(stopping_criteria(ids, scores).to(torch.bool).reshape(-1))
-    flags = iter(torch.cat(answers).tolist() if answers else [])
+    host = torch.cat(answers + new_tokens).tolist() if answers else []  # the flags, then every row's new tokens
+    flags = iter(host[: len(host) - offsets[-1]])
+    tokens = host[len(host) - offsets[-1] :]
     for i, members in asked:  # positions in increasing order: a row's first stop wins
         for r in members:
             if next(flags) and not rows[r].done:
                 kept[r], rows[r].done = i + 1, True
-    for row, sequence, count in zip(rows, extended, kept):
+    for r, (row, sequence, count) in enumerate(zip(rows, extended, kept)):
         row.sequence = sequence[: row.sequence.numel() + count]
+        row.generator.commit_tokens(tokens[offsets[r] : offsets[r + 1]], count)
     return kept
 
 

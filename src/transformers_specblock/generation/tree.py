@@ -6,11 +6,13 @@ acceptors rely on it): a chain from another candidate source is merged into the 
 
 The tree's tensors live on the drafter's device and its bookkeeping makes no host round trip per node or per depth
 (on a GPU each is a sync): walks up the tree use pointer jumping, ceil(log2(N+1)) steps bounded by the node count the
-host knows, and `merge_chain` reads the tree back once per iteration (`_host`), not once per chain token.
+host knows, and `merge_chain` reads the tree back once per iteration (`_host`), not once per chain token. A tree of
+free candidates alone is built and pruned on the host (`HostTree`) and copied to the device once.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import numpy
@@ -98,6 +100,15 @@ class DraftTree:
         self.depth_bound = max(self.depth_bound, max_depth if max_depth is not None else len(self) - 1)
         return torch.arange(first, len(self), device=self.tokens.device)
 
+    def host(self) -> tuple[list[int], list[int], list[int], list[float]]:
+        """Host copies of (tokens, parents, depths, scores): one read of the device per tree, kept in step by
+        `merge_chain` (a tree built by `HostTree.to_device` has them from the start)."""
+        if self._host is None:
+            host = torch.stack([self.tokens.double(), self.parents.double(), self.depths.double(), self.scores.double()])
+            tokens_h, parents_h, depths_h, scores_h = host.tolist()
+            self._host = ([int(t) for t in tokens_h], [int(p) for p in parents_h], [int(d) for d in depths_h], scores_h)
+        return self._host
+
     def merge_chain(self, tokens: list[int], scores: list[float], source: str, parent: int = 0) -> None:
         """Hang the chain `tokens` (each a child of the previous, the first a child of `parent`) into the tree.
 
@@ -106,22 +117,8 @@ class DraftTree:
         siblings stay distinct. `scores[i]` is the cumulative score of `tokens[i]`.
         """
         bit = SOURCE_BITS[source]
-        if self._host is None:  # one read of the device per tree, however many chains merge into it
-            host = torch.stack([self.tokens.double(), self.parents.double(), self.depths.double(), self.scores.double()])
-            tokens_h, parents_h, depths_h, scores_h = host.tolist()
-            self._host = ([int(t) for t in tokens_h], [int(p) for p in parents_h], [int(d) for d in depths_h], scores_h)
-        host_tokens, host_parents, host_depths, host_scores = self._host
-        node, matched, better = parent, [], {}
-        for i, (token, score) in enumerate(zip(tokens, scores)):
-            same = next((j for j, (t, p) in enumerate(zip(host_tokens, host_parents)) if p == node and t == token), None)
-            if same is None:
-                break
-            node = same
-            matched.append(node)
-            if score > host_scores[node]:  # stored in float32, as the tensor keeps it
-                better[node] = host_scores[node] = float(numpy.float32(score))
-        else:
-            i = len(tokens)
+        host_tokens, host_parents, host_depths, host_scores = self.host()
+        node, matched, better, i = _match_chain(host_tokens, host_parents, host_scores, tokens, scores, parent)
         device = self.tokens.device
         if matched:
             self.sources[torch.tensor(matched, device=device)] |= bit
@@ -217,6 +214,86 @@ class DraftTree:
         """Children of `node`, highest draft score first."""
         kids = (self.parents == node).nonzero().squeeze(1)
         return kids[torch.argsort(self.scores[kids], descending=True, stable=True)]
+
+
+def _match_chain(
+    host_tokens: list[int], host_parents: list[int], host_scores: list[float], tokens: list[int], scores: list[float],
+    parent: int,
+) -> tuple[int, list[int], dict[int, float], int]:  # fmt: skip
+    """Follow the chain `tokens` down from `parent` through the nodes that already hold them. Returns the last node
+    it reached, the nodes it matched, those whose score it raised (-> their new float32 score, also written into
+    `host_scores`) and how many of its tokens matched."""
+    node, matched, better = parent, [], {}
+    for i, (token, score) in enumerate(zip(tokens, scores)):
+        same = next((j for j, (t, p) in enumerate(zip(host_tokens, host_parents)) if p == node and t == token), None)
+        if same is None:
+            return node, matched, better, i
+        node = same
+        matched.append(node)
+        if score > host_scores[node]:  # stored in float32, as the tensor keeps it
+            better[node] = host_scores[node] = float(numpy.float32(score))
+    return node, matched, better, len(tokens)
+
+
+@dataclass
+class HostTree:
+    """A draft tree built on the host, as `DraftTree` builds one (same merging, same pruning), for trees whose every
+    node is known there (the free candidates alone): it reaches the device in one copy (`to_device`)."""
+
+    tokens: list[int]
+    parents: list[int]
+    depths: list[int]
+    scores: list[float]  # float32 values, as the device tree keeps them
+    sources: list[int]
+
+    @classmethod
+    def root_only(cls, token: int) -> "HostTree":
+        return cls([token], [-1], [0], [0.0], [0])
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def merge_chain(self, tokens: list[int], scores: list[float], source: str, parent: int = 0) -> None:
+        """As `DraftTree.merge_chain`."""
+        bit = SOURCE_BITS[source]
+        node, matched, _, i = _match_chain(self.tokens, self.parents, self.scores, tokens, scores, parent)
+        for m in matched:
+            self.sources[m] |= bit
+        rest = tokens[i:]
+        if not rest:
+            return
+        first, depth = len(self), self.depths[node] + 1
+        self.tokens += rest
+        self.parents += [node] + list(range(first, first + len(rest) - 1))
+        self.depths += range(depth, depth + len(rest))
+        self.scores += [float(numpy.float32(x)) for x in scores[i:]]
+        self.sources += [bit] * len(rest)
+
+    def prune(self, budget: int) -> "HostTree":
+        """As `DraftTree.prune`: the root and the `budget` drafted nodes of the best path scores (the minimum score
+        on the path from the root, NaN as -inf; ties to the older node)."""
+        if len(self) - 1 <= budget:
+            return self
+        capped = [0.0] * len(self)
+        for i, (parent, score) in enumerate(zip(self.parents, self.scores)):  # parents come before their children
+            score = float("-inf") if math.isnan(score) else score
+            capped[i] = min(score, capped[parent]) if parent >= 0 else score
+        capped[0] = float("inf")
+        kept = sorted(sorted(range(len(self)), key=lambda i: -capped[i])[: budget + 1])
+        new_index = {old: new for new, old in enumerate(kept)}
+        return HostTree(
+            [self.tokens[i] for i in kept], [new_index[self.parents[i]] if i else -1 for i in kept],
+            [self.depths[i] for i in kept], [self.scores[i] for i in kept], [self.sources[i] for i in kept],
+        )  # fmt: skip
+
+    def to_device(self, device: torch.device | str) -> DraftTree:
+        """The tree as a `DraftTree` on `device`, from one host -> device copy; it keeps the host copy (no read)."""
+        score_bits = numpy.asarray(self.scores, dtype=numpy.float32).view(numpy.int32).tolist()
+        rows = [self.tokens, self.parents, self.depths, self.sources, score_bits]
+        tokens, parents, depths, sources, bits = torch.tensor(rows, dtype=torch.long, device=device).unbind()
+        tree = DraftTree(tokens, parents, depths, bits.int().view(torch.float32), sources, depth_bound=max(self.depths))
+        tree._host = (list(self.tokens), list(self.parents), list(self.depths), list(self.scores))
+        return tree
 
 
 def tree_verification_mask(tree: DraftTree, prefix_visible: torch.BoolTensor, dtype: torch.dtype) -> torch.Tensor:

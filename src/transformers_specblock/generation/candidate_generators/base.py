@@ -16,7 +16,7 @@ from ...models.tree_drafter.configuration_tree_drafter import AUTO
 from ...models.tree_drafter.modeling_tree_drafter import TreeDraftModel
 from ...utils import sync
 from ..lookup import free_candidates_for
-from ..tree import SOURCE_BITS, DraftTree
+from ..tree import SOURCE_BITS, DraftTree, HostTree
 
 
 _COMPILED: dict[tuple[type, str], Callable[..., Any]] = {}  # (drafter class, method) -> compiled function
@@ -63,12 +63,14 @@ class TreeCandidateGenerator(CandidateGenerator):
     (`observe`, one call however many steps were queued) right before `draft_tree` grows a tree from the last
     committed token, so a drafter that skips steps (tree_budget="auto" choosing 0) reads nothing until it drafts.
     `draft_tree` merges the free candidates (`generation.lookup`) into the drafter's tree and prunes the whole to
-    the budget; `record_verified` tells them what the target accepted. Subclasses implement `observe` and
-    `grow_tree`; drafter time and forwards are counted in `stats`.
+    the budget; `record_verified` and `commit_tokens` (the step's tokens, as the loop read them back) tell them what
+    the target accepted. Subclasses implement `observe` and `grow_tree`; drafter time and forwards are counted in
+    `stats`.
     """
 
     requires_model_outputs = True
     reads_features = True  # whether `observe` needs the target's hidden states (else it gets [P, 0] features)
+    grows_trees = True  # whether `grow_tree` drafts (else every tree is the free candidates' alone)
 
     def __init__(self, drafter: TreeDraftModel, tree_budget: int | None = None) -> None:
         self.drafter = drafter
@@ -82,6 +84,7 @@ class TreeCandidateGenerator(CandidateGenerator):
         self.queued_first_position = 0
         self.has_read = False  # whether the drafter has read any context yet
         self.free_candidates = free_candidates_for(drafter)
+        self.verified: DraftTree | None = None  # the last verified tree, until the loop commits its tokens
         eos = getattr(drafter.config, "eos_token_id", None)
         self.eos_token_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
         # online adaptation (`generation.adaptation`) turns these on: which drafter state gave each drafted node's
@@ -132,22 +135,41 @@ class TreeCandidateGenerator(CandidateGenerator):
 
     def draft_tree(self, sequence: torch.LongTensor, with_drafter: bool = True) -> DraftTree:
         """The drafter's tree for the committed tokens `sequence` [T] (the last one is the root), with the free
-        candidates merged in, pruned to `tree_budget` drafted nodes; without the drafter, the free candidates alone
-        (no drafter call). Under tree_budget="auto", a suffix-cache chain following one the target accepted whole
+        candidates merged in, pruned to `tree_budget` drafted nodes; without the drafter (or where `grow_tree` does
+        not draft), the free candidates alone, built on the host (`_free_tree`). Under tree_budget="auto", a suffix-cache chain following one the target accepted whole
         may go past the budget (up to the largest candidate): a long copy keeps being verified long."""
-        root = sequence[-1:]
         self.producers = []
+        with_drafter = with_drafter and self.grows_trees
+        if self.free_candidates is not None and not with_drafter:
+            self.drafted = None
+            return self._free_tree(sequence)
+        root = sequence[-1:]
         tree = self.grow_tree(root) if with_drafter else DraftTree.root_only(root, self.drafter.device)
         self.drafted = tree if self.keep_producers and with_drafter else None
-        budget = self.tree_budget
-        if self.free_candidates is not None:
-            start = time.perf_counter()
-            self.free_candidates.add_to(tree, sequence)
-            self._account(start, forwards=0)
-            if self.drafter.config.tree_budget == AUTO:  # a stretch being copied is verified whole, past the budget
-                largest = max(self.drafter.config.auto_budget_candidates)
-                budget = max(budget, min(self.free_candidates.long_chain, largest))
-        return tree.prune(budget)
+        if self.free_candidates is None:
+            return tree.prune(self.tree_budget)
+        start = time.perf_counter()
+        self.free_candidates.add_to(tree, self.free_candidates.follow(sequence))
+        self._account(start, forwards=0)
+        return tree.prune(self._free_budget())
+
+    def _free_tree(self, sequence: torch.LongTensor) -> DraftTree:
+        """The free candidates' tree alone: built and pruned on the host, copied to the device once (no read)."""
+        start = time.perf_counter()
+        text = self.free_candidates.follow(sequence)
+        tree = HostTree.root_only(text[-1])
+        self.free_candidates.add_to(tree, text)
+        pruned = tree.prune(self._free_budget()).to_device(self.drafter.device)
+        self._account(start, forwards=0)
+        return pruned
+
+    def _free_budget(self) -> int:
+        """The budget; under tree_budget="auto" a stretch being copied is verified whole, past it (see
+        `draft_tree`)."""
+        if self.drafter.config.tree_budget != AUTO:
+            return self.tree_budget
+        largest = max(self.drafter.config.auto_budget_candidates)
+        return max(self.tree_budget, min(self.free_candidates.long_chain, largest))
 
     def note_producers(
         self, nodes: torch.LongTensor, states: torch.Tensor, root_slots: torch.LongTensor | None = None
@@ -160,10 +182,20 @@ class TreeCandidateGenerator(CandidateGenerator):
             self.producers.append((nodes, states.detach(), root_slots))
 
     def record_verified(self, tree: DraftTree, path: torch.LongTensor) -> None:
-        """What the target accepted of a verified tree: counted per source, and learnt by the free candidates."""
+        """What the target accepted of a verified tree: counted per source; the free candidates learn it once the
+        step's tokens reach the host (`commit_tokens`)."""
         self.stats.count_accepted(tree.sources[path.to(tree.sources.device)])
+        self.verified = tree
+
+    def commit_tokens(self, tokens: list[int], kept: int) -> None:
+        """The step's new tokens as the loop read them back (the accepted drafted tokens, then the target's own
+        token), of which the row kept the first `kept` (a stop may cut them): the free candidates learn what the
+        last verified tree got accepted and extend their copy of the text."""
         if self.free_candidates is not None:
-            self.free_candidates.record(tree, path, self.eos_token_ids)
+            if self.verified is not None:
+                self.free_candidates.record(self.verified, tokens[:-1], self.eos_token_ids)
+            self.free_candidates.extend(tokens[:kept])
+        self.verified = None
 
     def finish(self, sequence: torch.LongTensor) -> None:
         """The call is over: `sequence` [T] is its whole committed text (the suffix store remembers it)."""
