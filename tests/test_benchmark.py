@@ -270,3 +270,25 @@ def test_every_call_warm_up_included_serves_its_prompt_as_a_first_request(monkey
     monkeypatch.setattr(type(target), "generate", generate)
     run_benchmark(target, tokenizer, prompts.select(range(2)), methods, max_new_tokens=8, warmup_tokens=4)
     assert len(remembered) == 2 + 2 * 2 and remembered == [0] * len(remembered)  # 2 warm-up calls, 2 prompts x 2
+
+
+def test_repeats_run_rounds_in_rotated_order_and_keep_the_median_round(monkeypatch):
+    """`repeats=3`: every method runs three times per prompt, each round starting one method later, and a method's
+    row is its median round by time (every round's seconds kept), its outputs checked in every round."""
+    target, tokenizer, prompts, methods, _ = tiny_setup()
+    methods = methods[2:3]  # plain + specblock
+    order = []
+    original = type(target).generate
+
+    def generate(self, *args, **kwargs):
+        order.append("specblock" if "assistant_model" in kwargs else "plain")
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(type(target), "generate", generate)
+    results = run_benchmark(target, tokenizer, prompts.select(range(1)), methods, max_new_tokens=8, warmup_tokens=0,
+                            repeats=3)  # fmt: skip
+    assert order == ["plain", "specblock", "specblock", "plain", "plain", "specblock"]
+    assert results.settings["repeats"] == 3
+    for row in results.prompts:
+        assert len(row.repeat_seconds) == 3 and row.seconds == sorted(row.repeat_seconds)[1], row.method
+        assert row.identical_to_reference

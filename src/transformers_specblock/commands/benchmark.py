@@ -71,6 +71,7 @@ class PromptResult:
     fp32_gap: float | None = None
     # count_ops: one more untimed call under `op_counter.count_ops`: loop iterations, aten ops and host syncs per region
     op_counts: dict[str, int] | None = None
+    repeat_seconds: list[float] | None = None  # `repeats` > 1: every round's seconds (the row is the median round)
 
 
 @dataclass
@@ -236,6 +237,7 @@ def run_benchmark(
     measure_near_ties: bool = True,
     batch_size: int = 1,
     count_ops: bool = False,
+    repeats: int = 1,
     **generate_kwargs: Any,
 ) -> BenchmarkResults:
     """Run the reference and every method on each prompt (interleaved); resumable through `output_dir`.
@@ -252,13 +254,17 @@ def run_benchmark(
     for a 16-bit target, with one float32 copy made before the first prompt (so every method's peak memory includes
     that copy alike). A gap above `exactness.NEAR_TIE_GAP` is logged as a warning: not explained by round-off.
 
+    `repeats` > 1: each prompt (batch) runs `repeats` rounds of every method, each round starting one method later;
+    a method's row is its median round by time (`repeat_seconds` keeps every round's), so one burst of load on a
+    shared machine cannot decide a ratio.
+
     `count_ops`: each method runs each prompt once more, untimed, under `op_counter.count_ops` (aten ops and host
     syncs per iteration inside the target forward, in drafting and in the rest of the loop: `ops_per_iter`). With
     `tree_budget="auto"` that call goes on from the chooser's state, so it may draft other budgets than the timed one.
     """
     settings = {"max_new_tokens": max_new_tokens, "do_sample": do_sample, "seed": seed, **generate_kwargs}
     settings |= {"methods": [REFERENCE] + [m.name for m in methods], "num_prompts": len(prompts)}
-    settings |= {"batch_size": batch_size, "refused": {}}
+    settings |= {"batch_size": batch_size, "refused": {}, "repeats": repeats}
     measured = measure_near_ties and not do_sample and target.dtype in FLOAT_DTYPES and batch_size == 1
     settings["count_ops"] = count_ops
     settings["near_tie_gap"] = NEAR_TIE_GAP if measured else None  # the largest float32 gap counted as a near-tie
@@ -270,7 +276,6 @@ def run_benchmark(
     groups = [[prompts[i] for i in range(start, min(start + batch_size, len(prompts)))]
               for start in range(0, len(prompts), batch_size)]  # fmt: skip
     generate_kwargs = {"pad_token_id": tokenizer.pad_token_id or tokenizer.eos_token_id, **generate_kwargs}
-    eos = set(_as_list(target.generation_config.eos_token_id))
     all_methods = [Method(REFERENCE), *methods]
     if batch_size > 1:  # transformers' own assisted paths refuse batches: say so instead of timing them
         inputs = _encode(tokenizer, groups[0], target.device)
@@ -296,41 +301,22 @@ def run_benchmark(
             continue
         results.prompts = [r for r in results.prompts if r.prompt_id != prompt_id]  # redo a half-done prompt
         inputs = _encode(tokenizer, group, target.device)
-        prompt_len = inputs["input_ids"].shape[1]
         categories = {row["category"] for row in group}
         category = categories.pop() if len(categories) == 1 else "mixed"
         reference: list[list[int]] | None = None
+        rounds: dict[str, list[tuple[PromptResult, list[list[int]]]]] = {m.name: [] for m in all_methods}
+        for round_index in range(repeats):  # each round runs every method once, starting one method later
+            for method in all_methods[round_index % len(all_methods) :] + all_methods[: round_index % len(all_methods)]:
+                result, tokens = _timed_call(target, inputs, method, max_new_tokens, do_sample, seed, generate_kwargs)
+                reference = tokens if method.name == REFERENCE and reference is None else reference
+                result.prompt_id, result.category = prompt_id, category
+                rounds[method.name].append((result, tokens))
         new_rows = []
         for method in all_methods:
-            torch.manual_seed(seed)
-            _reset_peak_memory(target.device)
-            drafter = method.generate_kwargs.get("assistant_model")
-            if isinstance(drafter, TreeDraftModel):  # a chain run (speculation_type) leaves no tree statistics
-                drafter.last_stats = None
-                _forget_served_text(drafter)
-            with counted_forwards(target) as target_calls:
-                start = time.perf_counter()
-                out = _generate(target, inputs, method, max_new_tokens, do_sample, generate_kwargs)
-                seconds = time.perf_counter() - start
-            tokens = _new_tokens(out, prompt_len, eos)
-            reference = tokens if method.name == REFERENCE else reference
-            stats = drafter.last_stats if isinstance(drafter, TreeDraftModel) else None
-            result = PromptResult(
-                method=method.name,
-                prompt_id=prompt_id,
-                category=category,
-                new_tokens=sum(len(row_tokens) for row_tokens in tokens),
-                seconds=seconds,
-                identical_to_reference=None if do_sample else tokens == reference,
-                tau=stats.tau if stats else None,
-                iterations=stats.iterations if stats else None,
-                drafter_time_s=stats.drafter_time_s if stats else None,
-                target_time_s=stats.target_time_s if stats else None,
-                drafter_forwards=stats.drafter_forwards if stats else None,
-                nodes_verified=sum(stats.nodes_per_iteration) if stats else None,
-                peak_memory_mb=_peak_memory_mb(target.device),
-                target_calls=target_calls[0],
-            )
+            by_time = sorted(rounds[method.name], key=lambda entry: entry[0].seconds)
+            result, tokens = by_time[(len(by_time) - 1) // 2]  # the median round (the lower one of two)
+            result.identical_to_reference = None if do_sample else all(t == reference for _, t in by_time)
+            result.repeat_seconds = [r.seconds for r, _ in rounds[method.name]]
             if float32_target is not None and tokens != reference:  # untimed: after the peak memory is read
                 divergence = first_divergence(float32_target, inputs["input_ids"], reference[0], tokens[0])
                 result.divergence_position, result.fp32_gap = divergence.position, divergence.fp32_gap
@@ -349,6 +335,38 @@ def run_benchmark(
             with log.open("a") as sink:
                 sink.writelines(json.dumps(asdict(r)) + "\n" for r in new_rows)
     return results
+
+
+def _timed_call(
+    target: PreTrainedModel, inputs, method: Method, max_new_tokens: int, do_sample: bool, seed: int,
+    generate_kwargs: dict[str, Any],
+) -> tuple[PromptResult, list[list[int]]]:  # fmt: skip
+    """One timed generate call of `method` (its drafter's statistics and peak memory with it) and its new tokens."""
+    torch.manual_seed(seed)
+    _reset_peak_memory(target.device)
+    drafter = method.generate_kwargs.get("assistant_model")
+    if isinstance(drafter, TreeDraftModel):  # a chain run (speculation_type) leaves no tree statistics
+        drafter.last_stats = None
+        _forget_served_text(drafter)
+    with counted_forwards(target) as target_calls:
+        start = time.perf_counter()
+        out = _generate(target, inputs, method, max_new_tokens, do_sample, generate_kwargs)
+        seconds = time.perf_counter() - start
+    tokens = _new_tokens(out, inputs["input_ids"].shape[1], set(_as_list(target.generation_config.eos_token_id)))
+    stats = drafter.last_stats if isinstance(drafter, TreeDraftModel) else None
+    result = PromptResult(
+        method=method.name, prompt_id="", category="", new_tokens=sum(len(row_tokens) for row_tokens in tokens),
+        seconds=seconds, identical_to_reference=None,
+        tau=stats.tau if stats else None,
+        iterations=stats.iterations if stats else None,
+        drafter_time_s=stats.drafter_time_s if stats else None,
+        target_time_s=stats.target_time_s if stats else None,
+        drafter_forwards=stats.drafter_forwards if stats else None,
+        nodes_verified=sum(stats.nodes_per_iteration) if stats else None,
+        peak_memory_mb=_peak_memory_mb(target.device),
+        target_calls=target_calls[0],
+    )  # fmt: skip
+    return result, tokens
 
 
 def _forget_served_text(drafter: TreeDraftModel) -> None:

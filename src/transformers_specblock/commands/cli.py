@@ -127,6 +127,10 @@ class BenchArguments:
     batch_size: int = field(
         default=1, metadata={"help": "Prompts per generate call (left-padded batches, grouped in prompt order)."}
     )
+    repeats: int = field(
+        default=1, metadata={"help": "Rounds of every method per prompt (batch), each starting one method later; a "
+                             "method's row is its median round (a shared machine's bursts of load)."},
+    )
     do_sample: bool = field(default=False)
     temperature: float = field(default=1.0)
     seed: int = field(default=0)
@@ -274,7 +278,8 @@ def bench_main(argv: Sequence[str] | None = None) -> None:
     results = run_benchmark(
         target, tokenizer, prompts, methods, max_new_tokens=args.max_new_tokens, do_sample=args.do_sample,
         seed=args.seed, output_dir=args.output_dir, warmup_tokens=args.warmup_tokens,
-        measure_near_ties=args.near_ties, batch_size=args.batch_size, count_ops=args.count_ops, **sampling,
+        measure_near_ties=args.near_ties, batch_size=args.batch_size, count_ops=args.count_ops, repeats=args.repeats,
+        **sampling,
     )  # fmt: skip
     results.settings |= {"target_model": args.target_model, "dataset": args.dataset}
     results.settings |= {"device": str(target.device), "dtype": str(target.dtype).removeprefix("torch.")}
