@@ -4,7 +4,7 @@
 
 Reads <root>/<dtype>-<dataset>-b<B>/results.json and per_prompt.jsonl; writes <root>/<dtype>-batch-speedup.png and
 -batch-speedup.md. A cell: the speed-up of all the run's tokens (new tokens per second over plain's), the median of
-the per-batch ratios (one slow batch cannot decide it; at B = 16 the run is one batch) and tau.
+the per-batch ratios (per batch and round with `--repeats`; one slow call cannot decide it) and tau.
 """
 
 from __future__ import annotations
@@ -68,12 +68,17 @@ def main() -> None:
 
 
 def _median_ratios(log: Path) -> dict[str, float]:
-    """Per method: the median over batches of plain's seconds / the method's seconds (same batch, same run)."""
+    """Per method: the median over batches (and over rounds, with `--repeats`: round r's plain call against round
+    r's call of the method) of plain's seconds / the method's seconds (same batch, same run)."""
     rows = [json.loads(line) for line in log.read_text().splitlines() if line]
-    plain = {row["prompt_id"]: row["seconds"] for row in rows if row["method"] == "plain"}
+
+    def rounds(row: dict) -> list[float]:
+        return row.get("repeat_seconds") or [row["seconds"]]
+
+    plain = {row["prompt_id"]: rounds(row) for row in rows if row["method"] == "plain"}
     ratios: dict[str, list[float]] = {}
     for row in rows:
-        ratios.setdefault(row["method"], []).append(plain[row["prompt_id"]] / row["seconds"])
+        ratios.setdefault(row["method"], []).extend(p / s for p, s in zip(plain[row["prompt_id"]], rounds(row)))
     return {method: statistics.median(values) for method, values in ratios.items()}
 
 

@@ -86,14 +86,12 @@ def _run_stream(
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_auto_budget_follows_a_change_halfway(direction, seed):
     """The best budget jumps halfway (0 -> 8 when the drafter becomes good, 8 -> 0 when it becomes useless): the
-    choice follows within a bounded number of verified steps and stays there (noise may move it briefly). Upwards
-    takes longest: drafting must pay at the tau it surely reaches (mean less one standard error) and the samples
-    above a choice of 0 come from explorations alone (2% of the time): 154-222 steps over seeds 0-5."""
+    choice follows within a bounded number of verified steps and stays there (noise may move it briefly)."""
     before, after = (BAD, GOOD) if direction == "upwards" else (GOOD, BAD)
     best_before, best_after = _true_best(before), _true_best(after)
     assert {best_before, best_after} == {0, 8}
     chooser = AutoBudget([0, 2, 4, 8, 16], STREAM_COST)
-    steps, bound = 300, 250
+    steps, bound = 300, 200
     choices, drafted = _run_stream(chooser, [before, after], steps, seed, explore_share=DEFAULT_EXPLORE_SHARE)
     assert choices[steps - 50 : steps].count(best_before) >= 45  # it had settled before the change
     followed = [i - steps for i in range(steps, 2 * steps) if choices[i] == best_after]
@@ -385,23 +383,3 @@ def test_speculating_must_promise_the_minimum_gain_over_plain_decoding():
     assert auto_budget_for(make_drafter(target, tree_budget="auto"), target).min_gain == 0.05  # the config's
     with pytest.raises(ValueError, match="auto_budget_min_gain"):
         make_drafter(target, tree_budget="auto", auto_budget_min_gain=-0.1)
-
-
-def test_drafting_must_pay_at_the_tau_it_surely_reaches():
-    """Two choosers see trees with the same mean tau (2.6 at budget 8, a 1.18x promise over plain, above the 5%
-    margin): one from steady trees, which it drafts; one from scattered trees (accepting 0 or 3 nodes), whose mean
-    less one standard error promises less than the margin - at break-even a few scattered samples (a warm-up's,
-    another text's) must not decide for a tree."""
-    cost = TargetCost([0, 8], [0.100, 0.220])
-
-    def chooser(accepted: list[int]) -> AutoBudget:
-        budget = AutoBudget([0, 8], cost, warmup=0, min_gain=0.05)
-        for n in accepted:
-            budget.observe(chain_tree(8), torch.arange(1, n + 1), drafting_seconds=0.0, budget=8)
-        return budget
-
-    steady, scattered = chooser([2, 1, 2, 1, 2, 1, 2, 1, 1, 3]), chooser([0, 3, 0, 3, 3, 0, 3, 0, 3, 1])
-    assert steady.estimates()[8] == pytest.approx(2.6) and scattered.estimates()[8] == pytest.approx(2.6)
-    assert steady.choose() == 8 and scattered.choose() == 0
-    needed = 1.05 * cost(8) / cost(0)  # the tau that promises 5% more tokens per second than plain: 2.31
-    assert scattered.estimates(sure=True)[8] < needed < steady.estimates(sure=True)[8]

@@ -58,16 +58,6 @@ class RecentMean:
         recent = self._recent(step)
         return sum(recent) / len(recent) if recent else 0.0
 
-    def lower_bound(self, step: int) -> float:
-        """The mean less one standard error of the same samples (the mean where fewer than two): a quantity judged on
-        few or scattered samples is taken at what it surely reaches."""
-        recent = self._recent(step)
-        n = len(recent)
-        mean = sum(recent) / n if n else 0.0
-        if n < 2:
-            return mean
-        return mean - (sum((v - mean) ** 2 for v in recent) / (n - 1) / n) ** 0.5  # float sums: `statistics` is slow
-
     def median(self, step: int) -> float:
         """The (low) median of the same samples: one-off spikes (a first call's new kernel shapes) do not move it."""
         recent = self._recent(step)

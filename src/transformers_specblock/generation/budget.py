@@ -122,30 +122,21 @@ candidates run (their lookups cost time of their own)."""
 
 def best_budget(
     tau: dict[int, float], cost: Callable[[int], float], drafting_seconds: float, sizes: dict[int, float] | None = None,
-    free_seconds: float = 0.0, plain: bool = False, min_gain: float = 0.0, sure_tau: dict[int, float] | None = None,
+    free_seconds: float = 0.0, plain: bool = False, min_gain: float = 0.0,
 ) -> int:  # fmt: skip
     """The budget B maximising tau(B) / (T_M(size(B)) + T_D), where budget 0 runs no drafter (it costs
     `free_seconds`, the free candidates' time, where they are on) and size(B) is the mean number of nodes a tree of
     budget B verifies (B itself unless `sizes` says less: a drafter or a lookup with fewer candidates than the budget
     verifies a smaller tree). With `plain`, a plain step (`PLAIN`: 1 / T_M(0)) competes too. A budget that speculates
-    must beat the one that does not (`PLAIN`, else 0) by `min_gain` (0.05: 5% more tokens per second), and, where
-    `sure_tau` is given (the tau each budget surely reaches), beat it at that tau too."""
+    must beat the one that does not (`PLAIN`, else 0) by `min_gain` (0.05: 5% more tokens per second)."""
     sizes = sizes or {}
-
-    def rate(b: int, tau: dict[int, float]) -> float:
-        return tau[b] / (cost(sizes.get(b, b)) + (drafting_seconds if b else free_seconds))
-
-    rates = {b: rate(b, tau) for b in tau}
+    rates = {b: tau[b] / (cost(sizes.get(b, b)) + (drafting_seconds if b else free_seconds)) for b in tau}
     if plain:
         rates[PLAIN] = 1.0 / cost(0)
     plainly = PLAIN if plain else 0
-    if plainly not in rates:
-        return max(rates, key=rates.get)
-    rates[plainly] *= 1.0 + min_gain
-    best = max(rates, key=rates.get)
-    if sure_tau is not None and best != plainly and rate(best, sure_tau) < rates[plainly]:
-        return plainly
-    return best
+    if plainly in rates:
+        rates[plainly] *= 1.0 + min_gain
+    return max(rates, key=rates.get)
 
 
 @dataclass
@@ -247,14 +238,11 @@ class AutoBudget:
             self.exploration_extra.add(self.clock, max(0.0, extra))
             self.explored_from = None
 
-    def estimates(self, sure: bool = False) -> dict[int, float]:
+    def estimates(self) -> dict[int, float]:
         """The current tau estimate of every measured candidate (candidate 0: exactly 1, or the measured tau of the
-        free candidates' trees); `sure`: the mean less one standard error (`RecentMean.lower_bound`)."""
-        def estimate(stat: RecentMean) -> float:
-            return stat.lower_bound(self.clock) if sure else stat.mean(self.clock)
-
-        zero = estimate(self.free_tau) if self.free_tau.count else 1.0
-        return {b: estimate(self.tau[b]) if b else zero for b in self.ladder if b == 0 or self.tau[b].count}
+        free candidates' trees)."""
+        zero = self.free_tau.mean(self.clock) if self.free_tau.count else 1.0
+        return {b: self.tau[b].mean(self.clock) if b else zero for b in self.ladder if b == 0 or self.tau[b].count}
 
     def observe_free(self, tree: DraftTree, path: torch.LongTensor, seconds: float | None = None) -> None:
         """Record a budget-0 step that verified only free candidates (`free_at_zero`), and their `seconds` for the
@@ -303,9 +291,7 @@ class AutoBudget:
         return self._best()
 
     def _best(self, drafting_only: bool = False) -> int:
-        """The argmax of tau(B) / (T_M(B) + T_D) over the measured candidates (`drafting_only`: over those > 0); a
-        budget that speculates must also pay at the tau it surely reaches (its mean less one standard error): at
-        break-even, estimates from few or scattered trees (a warm-up's, another text's) do not decide for a tree."""
+        """The argmax of tau(B) / (T_M(B) + T_D) over the measured candidates (`drafting_only`: over those > 0)."""
         tau = {b: t for b, t in self.estimates().items() if b or not drafting_only}
         if not tau:
             return self.largest
@@ -315,7 +301,7 @@ class AutoBudget:
         drafting = self.drafting.mean(self.clock) * self.batch_size
         plain = self.free_at_zero and not drafting_only
         return best_budget(tau, self.step_seconds, drafting, sizes, free_seconds=free, plain=plain,
-                           min_gain=self.min_gain, sure_tau=self.estimates(sure=True))  # fmt: skip
+                           min_gain=self.min_gain)  # fmt: skip
 
     def worth_verifying(self, trees: list[DraftTree], drafted: bool = True) -> list[DraftTree]:
         """The rows' trees cut to the common prefix length n of their pruning orders with the most expected tokens
