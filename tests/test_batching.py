@@ -296,7 +296,7 @@ def test_auto_budget_falls_as_the_batch_grows(cost, reaches_zero):
     chooser = AutoBudget([0, 2, 4, 8], curve(lambda n: cost(1, n)), warmup=2,
                          measure=lambda batch: curve(lambda n: cost(batch, n)))  # fmt: skip
     for _ in range(8):  # three tokens of every 8-node chain are accepted
-        chooser.observe(chain(8), torch.tensor([1, 2, 3]), drafting_seconds=0.0002, budget=8)
+        chooser.observe(chain(8), [1, 2, 3], drafting_seconds=0.0002, budget=8)
     chosen = []
     for batch in (1, 2, 4, 8, 16, 32):
         chooser.set_batch_size(batch)

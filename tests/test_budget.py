@@ -36,13 +36,13 @@ def test_auto_budget_counts_what_each_budget_would_have_accepted():
                    torch.tensor([-0.1, -0.5, -0.3, -2.0]))  # fmt: skip
     chooser = AutoBudget([1, 2, 3, 4, 8], TargetCost([1, 8], [1.0, 1.0]), warmup=1)
     assert chooser.choose() == 8  # learning: the largest tree
-    chooser.observe(tree, torch.tensor([1, 3, 4]), drafting_seconds=0.0)
+    chooser.observe(tree, [1, 3, 4], drafting_seconds=0.0)
     # ranks: node1 1, node3 2, node2 3, node4 4 -> budget 1 keeps 1 path node, 2 and 3 keep 2, 4 keeps 3; the tree
     # (4 nodes, drafted budget unknown) tells nothing about budget 8
     assert chooser.estimates() == {1: 2.0, 2: 3.0, 3: 3.0, 4: 4.0}
     assert chooser.choose() == 8  # never measured: tried first
     # a tree that was not pruned (4 nodes under budget 8) is what every larger budget drafts too
-    chooser.observe(tree, torch.tensor([1, 3, 4]), drafting_seconds=0.0, budget=8)
+    chooser.observe(tree, [1, 3, 4], drafting_seconds=0.0, budget=8)
     assert chooser.estimates() == {1: 2.0, 2: 3.0, 3: 3.0, 4: 4.0, 8: 4.0}
     assert chooser.choose() == 4  # equal costs: the most accepted (the smallest such)
 
@@ -78,7 +78,7 @@ def _run_stream(
             drafted.append(budget)
             if budget:
                 accepted = min(rng.choice(regime), budget)
-                chooser.observe(_chain(budget), torch.arange(1, accepted + 1), drafting_seconds=0.3)
+                chooser.observe(_chain(budget), list(range(1, accepted + 1)), drafting_seconds=0.3)
     return choices, drafted
 
 
@@ -115,7 +115,7 @@ def test_auto_budget_estimates_above_the_choice_are_unbiased():
     rng = random.Random(1)
     for _ in range(300):  # keep going, recording the estimates: their average must be the truth
         budget = chooser.next_budget(explore_interval=16, explore_share=1.0)  # every 16th step: more samples
-        chooser.observe(_chain(budget), torch.arange(1, min(rng.choice(lengths), budget) + 1), drafting_seconds=0.3)
+        chooser.observe(_chain(budget), list(range(1, min(rng.choice(lengths), budget) + 1)), drafting_seconds=0.3)
         for b, value in chooser.estimates().items():
             if b:
                 seen[b].append(value)
@@ -268,14 +268,14 @@ def test_a_plain_step_wins_where_the_free_candidates_do_not_pay_for_their_own_ti
     cost = TargetCost([0, 8], [0.10, 0.18])
     chooser = AutoBudget([0, 8], cost, warmup=0, free_at_zero=True)
     for _ in range(8):
-        chooser.observe(chain_tree(8), torch.tensor([1]), drafting_seconds=0.05, budget=8)  # 2 tokens / 0.23 s
-        chooser.observe_free(chain_tree(2), torch.tensor([]), seconds=0.02)  # 1 token / 0.14 s
+        chooser.observe(chain_tree(8), [1], drafting_seconds=0.05, budget=8)  # 2 tokens / 0.23 s
+        chooser.observe_free(chain_tree(2), [], seconds=0.02)  # 1 token / 0.14 s
     assert chooser.choose() == PLAIN  # 1 / 0.10 beats 2 / 0.23 and 1 / 0.14
     chooser.set_batch_size(1)
     chosen = [chooser.next_budget(explore_interval=4, explore_share=1.0) for _ in range(8)]
     assert chosen.count(PLAIN) == 6 and 0 in chosen and 8 in chosen  # explorations climb from PLAIN to 0, then 8
     for _ in range(16):
-        chooser.observe_free(chain_tree(2), torch.tensor([1, 2]), seconds=0.02)  # the lookups start to pay
+        chooser.observe_free(chain_tree(2), [1, 2], seconds=0.02)  # the lookups start to pay
     assert chooser.choose() == 0
 
 
@@ -286,7 +286,7 @@ def test_the_loops_own_time_per_step_is_weighed_beside_the_cost_curve():
     cost = TargetCost([0, 8], [0.10, 0.15])
     chooser = AutoBudget([0, 8], cost, warmup=0)
     for _ in range(8):
-        chooser.observe(chain_tree(8), torch.tensor([1]), drafting_seconds=0.02, budget=8)  # 2 tokens per tree
+        chooser.observe(chain_tree(8), [1], drafting_seconds=0.02, budget=8)  # 2 tokens per tree
     assert chooser.choose() == 8  # on the curve: 2 / 0.17 beats 1 / 0.10
     assert chooser.step_seconds(8) == cost(8)  # nothing measured yet
     chooser.observe_step(0, 0.09)  # a plain step faster than the curve: no overhead (never a negative one)
@@ -330,7 +330,7 @@ def test_a_chooser_that_does_not_draft_explores_where_the_drafter_would_draft():
     cost = TargetCost([0, 2, 4, 8, 16], [0.10, 0.10, 0.10, 0.11, 0.30])  # 8 is the drafter's best, 16 is too slow
     chooser = AutoBudget([0, 2, 4, 8, 16], cost, warmup=0)
     for _ in range(4):
-        chooser.observe(chain_tree(16), torch.arange(1, 6), drafting_seconds=0.6, budget=16)  # 6 tokens / 0.71 s
+        chooser.observe(chain_tree(16), list(range(1, 6)), drafting_seconds=0.6, budget=16)  # 6 tokens / 0.71 s
     assert chooser.choose() == 0 and chooser._best(drafting_only=True) == 8
     chooser.set_batch_size(1)
     explored = [b for b in (chooser.next_budget(explore_interval=2, explore_share=1.0) for _ in range(64)) if b]
@@ -343,7 +343,7 @@ def test_exploring_takes_at_most_its_share_of_the_time():
     cost = TargetCost([0, 8], [0.10, 0.30])  # an 8-node tree costs 3 plain steps
     chooser = AutoBudget([0, 8], cost, warmup=0)
     for _ in range(4):
-        chooser.observe(chain_tree(8), torch.tensor([1]), drafting_seconds=0.1, budget=8)  # 2 tokens / 0.4 s
+        chooser.observe(chain_tree(8), [1], drafting_seconds=0.1, budget=8)  # 2 tokens / 0.4 s
     assert chooser.choose() == 0 and chooser.seconds(8) == pytest.approx(0.40) and chooser.seconds(0) == 0.10
     chooser.set_batch_size(1)
     chosen = [chooser.next_budget(explore_interval=4, explore_share=0.05) for _ in range(200)]
@@ -359,7 +359,7 @@ def test_an_exploration_that_took_longer_than_expected_waits_longer():
     cost = TargetCost([0, 8], [0.10, 0.12])
     chooser = AutoBudget([0, 8], cost, warmup=0)
     for _ in range(4):
-        chooser.observe(chain_tree(8), torch.tensor([], dtype=torch.long), drafting_seconds=0.02, budget=8)  # tau 1
+        chooser.observe(chain_tree(8), [], drafting_seconds=0.02, budget=8)  # tau 1
     chooser.set_batch_size(1)
     chosen = [chooser.next_budget(explore_interval=4, explore_share=0.05) for _ in range(12)]
     assert [i + 1 for i, b in enumerate(chosen) if b] == [8]  # 0.04 s beyond a 0.1 s step: 8 steps at 5%

@@ -98,7 +98,7 @@ def test_best_first_tree_is_the_top_subtree():
     paths = [p for d in range(1, depth + 1) for p in itertools.product(range(top_k), repeat=d)]
     path_score = {p: float(sum(log_probs[i, r] for i, r in enumerate(p))) for p in paths}
     expected = sorted(path_score.values(), reverse=True)[:budget]
-    tree = best_first_tree(7, log_probs, token_ids, budget, torch.device("cpu"))
+    tree = best_first_tree(log_probs, token_ids, budget).to_device("cpu", root=torch.tensor([7]))
     assert tree.num_drafted == budget and int(tree.tokens[0]) == 7
     torch.testing.assert_close(tree.scores[1:].sort(descending=True).values, torch.tensor(expected))
     assert bool((tree.parents[1:] < torch.arange(1, budget + 1)).all())  # parents come first

@@ -9,6 +9,7 @@ from transformers import DynamicCache
 
 from conftest import make_drafter, make_target
 from transformers_specblock import Eagle3DraftModel
+from transformers_specblock.generation.tree import DraftTree, HostTree
 from transformers_specblock.models.specblock.modeling_specblock import block_causal_mask
 
 
@@ -43,6 +44,10 @@ def test_eagle3_logits_to_keep_equals_the_last_row_of_the_full_head():
     torch.testing.assert_close(last.logits[0, -1], full.logits[0, -1])
 
 
+def _device_tree(tree: DraftTree | HostTree, root: torch.LongTensor) -> DraftTree:
+    return tree.to_device("cpu", root) if isinstance(tree, HostTree) else tree
+
+
 def _grown_then_pruned_equals_grown_at_budget(make_generator, budgets, features, tokens):
     """A tree grown at each small budget (rounds that cannot survive pruning skipped) equals the tree grown with no
     budget limit and pruned to it; returns the drafter forwards each small budget ran."""
@@ -54,7 +59,7 @@ def _grown_then_pruned_equals_grown_at_budget(make_generator, budgets, features,
             generator.observe(features, tokens, first_position=1)
         before = small.stats.drafter_forwards
         with torch.no_grad():
-            expected = full.grow_tree(int(tokens[-1])).prune(budget)
+            expected = _device_tree(full.grow_tree(tokens[-1:]), tokens[-1:]).prune(budget)
             got = small.draft_tree(tokens)
         forwards[budget] = small.stats.drafter_forwards - before
         assert got.tokens.tolist() == expected.tokens.tolist() and got.parents.tolist() == expected.parents.tolist()

@@ -52,6 +52,9 @@ def test_prompt_lookup_follows_a_growing_text_as_a_scan_of_it_would():
         assert lookup.chains(text[:length], 4, 3) == _scan(text[:length], 4, 3, 1, 3), length
 
 
+TREE_FIELDS = ("tokens", "parents", "depths", "scores", "sources")
+
+
 def test_a_host_tree_merges_and_prunes_as_the_device_tree():
     generator = torch.Generator().manual_seed(5)
     host, device = HostTree.root_only(3), DraftTree.root_only(3)
@@ -66,7 +69,12 @@ def test_a_host_tree_merges_and_prunes_as_the_device_tree():
         got, expected = host.prune(budget).to_device("cpu"), device.prune(budget)
         for name in ("tokens", "parents", "depths", "scores", "sources"):
             assert torch.equal(getattr(got, name), getattr(expected, name)), (budget, name)
-        assert got.host() == (got.tokens.tolist(), got.parents.tolist(), got.depths.tolist(), got.scores.tolist())
+        copy = got.host()
+        assert [copy.tokens, copy.parents, copy.depths, copy.scores, copy.sources] == [
+            got.tokens.tolist(), got.parents.tolist(), got.depths.tolist(), got.scores.tolist(), got.sources.tolist()
+        ]  # fmt: skip
+        walked = DraftTree(*[getattr(got, name).clone() for name in TREE_FIELDS]).ancestor_matrix()  # on the device
+        assert torch.equal(got.ancestor_matrix(), walked)  # the one the host copy brought
 
 
 def test_ngram_cache_counts_and_walks():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy
 import pytest
 import torch
 from hypothesis import given, settings
@@ -12,8 +13,12 @@ from conftest import make_drafter, make_target
 from transformers_specblock.generation import CANDIDATE_GENERATOR_MAPPING, get_candidate_generator
 from transformers_specblock.generation.acceptance import greedy_accept
 from transformers_specblock.generation.cache_utils import compact_cache
-from transformers_specblock.generation.tree import DraftTree, tree_verification_mask
-from transformers_specblock.models.specblock.modeling_specblock import block_causal_mask, followup_block_mask
+from transformers_specblock.generation.tree import DraftTree, HostTree, tree_verification_mask
+from transformers_specblock.models.specblock.modeling_specblock import (
+    block_causal_mask,
+    followup_block_mask,
+    host_block_causal_mask,
+)
 
 
 @st.composite
@@ -86,8 +91,11 @@ def test_block_masks():
     assert mask[3, 4:].tolist() == [True, True, True, True, False, False]
     # position 0 slot 1 sees slots 0..1 of itself, nothing of position 1
     assert mask[1, 4:].tolist() == [True, True, False, False, False, False]
-    inherited = torch.tensor([[True, False, False], [True, True, False]])
-    follow = followup_block_mask(inherited, block_size=2, prefix_length=5)
+    for num_positions, past_length in ((1, 0), (2, 4), (5, 3)):  # the host-built decoding mask is the same
+        host = host_block_causal_mask(num_positions, 3, past_length)
+        assert host.tolist() == block_causal_mask(num_positions, 3, past_length, torch.device("cpu")).tolist()
+    inherited = numpy.array([[True, False, False], [True, True, False]])
+    follow = followup_block_mask(inherited, block_size=2, prefix_length=5, device="cpu")
     assert follow.shape == (4, 5 + 3 + 4)
     assert follow[2, 5:8].tolist() == [True, True, False]  # block 1 inherits its own visible entries
     assert follow[1, 8:].tolist() == [True, True, False, False]  # never another new block
@@ -241,17 +249,6 @@ def test_prune_keeps_ancestors_under_adversarial_scores(tree, budget):
     assert bool((rank[1:] > rank[tree.parents[1:]]).all())  # every prefix of the order is a tree
 
 
-def _round_from_log_probs(generator, tree, log_probs: torch.Tensor, start_nodes: torch.Tensor):
-    from transformers_specblock.generation.candidate_generators.specblock import _Round
-
-    blocks, k_slots, _ = log_probs.shape
-    return _Round(
-        log_probs=log_probs, hidden=torch.zeros(blocks, k_slots, 4), widths=torch.full((blocks, k_slots), 2),
-        entry_offset=torch.zeros(blocks, dtype=torch.long), inherited=torch.zeros(blocks, 0, dtype=torch.bool),
-        start_nodes=start_nodes,
-    )  # fmt: skip
-
-
 @settings(max_examples=300, deadline=None, derandomize=True)
 @given(
     st.lists(st.sampled_from(ADVERSARIAL_LOG_PROBS[:-1]) | st.floats(-8.0, 0.0), min_size=4, max_size=4),
@@ -261,18 +258,24 @@ def _round_from_log_probs(generator, tree, log_probs: torch.Tensor, start_nodes:
 def test_specblock_block_scores_never_exceed_their_parent(slot_log_probs, start_score, budget):
     """A follow-up block started below score 0 whose slots are (nearly) certain: the chain's scores must still be
     monotone, so pruning to any budget keeps every kept node's ancestors."""
+    from transformers_specblock.generation.candidate_generators.specblock import _Round
+
     target = make_target("llama", vocab_size=24, seed=1)
     generator = get_candidate_generator(make_drafter(target, block_size=4))
-    tree = DraftTree.root_only(0)
-    tree.add_nodes(torch.tensor([3]), torch.tensor([0]), torch.tensor([1]), torch.tensor([start_score]))
+    tree = HostTree.root_only(0)
+    tree.add_node(3, 0, start_score)
     # greedy token 0 takes the slot's adversarial log-prob; the runner-up token 1 gets the rest
-    log_probs = torch.full((1, 4, 24), -60.0)
-    log_probs[0, :, 0] = torch.tensor(slot_log_probs)
-    log_probs[0, :, 1] = -30.0
-    generator._expand(tree, _round_from_log_probs(generator, tree, log_probs, torch.tensor([1])))
-    assert bool((tree.scores[1:] <= tree.scores[tree.parents[1:]]).all())
-    pruned = tree.prune(budget)
-    assert bool((pruned.depths[1:] == pruned.depths[pruned.parents[1:]] + 1).all())
+    width = generator.max_width
+    rnd = _Round(
+        log_probs=[[[lp, -30.0] + [-60.0] * (width - 2) for lp in slot_log_probs]],
+        tokens=[[list(range(width)) for _ in slot_log_probs]], widths=[[2] * 4], hidden=torch.zeros(1, 4, 4),
+        entry_offsets=[0], inherited=numpy.zeros((1, 0), dtype=bool), start_nodes=[1],
+    )  # fmt: skip
+    generator._expand(tree, rnd)
+    device_tree = tree.to_device("cpu")
+    assert bool((device_tree.scores[1:] <= device_tree.scores[device_tree.parents[1:]]).all())
+    for pruned in (tree.prune(budget).to_device("cpu"), device_tree.prune(budget)):
+        assert bool((pruned.depths[1:] == pruned.depths[pruned.parents[1:]] + 1).all())
 
 
 @pytest.mark.parametrize("max_blocks", [2, 3])

@@ -10,25 +10,30 @@ from .tree_batch import TreeBatch
 
 
 def greedy_accept_rows(trees: TreeBatch, processed: torch.Tensor) -> tuple[list[list[int]], torch.LongTensor]:
-    """Every row's longest root path whose tokens equal the target's argmax, in one pass over the batch.
+    """Every row's longest root path whose tokens equal the target's argmax: the picks of the whole batch are read
+    back once, then each row's path is walked down its tree's host copy (siblings hold distinct tokens, so a pick
+    names at most one child).
 
-    processed: [B, N+1, V]. Returns each row's kept nodes (root first, then the accepted nodes by depth; one host
-    read for the whole batch) and the bonus tokens [B] (the target's pick after each row's last kept node).
+    processed: [B, N+1, V]. Returns each row's kept nodes (root first, then the accepted nodes by depth) and the
+    bonus tokens [B] (the target's pick after each row's last kept node).
     """
     # [B, N+1] the target's pick after each node: `max` returns the first maximal index as argmax does, at half the
     # time of argmax on a CPU (and on bfloat16 rows as fast as on float32 ones)
     choice = processed.max(-1).indices.to(trees.tokens.device)
-    if trees.size == 1:  # roots alone: nothing to accept, the pick is the bonus
+    if trees.size == 1:  # roots alone: nothing to accept, the pick is the bonus (no read)
         return [[0]] * trees.tokens.shape[0], choice[:, 0]
-    matches = (trees.tokens == choice.gather(1, trees.parents.clamp(min=0))) & trees.real
-    matches[:, 0] = True
-    on_path = ~(trees.ancestors & ~matches[:, None, :]).any(-1)  # [B, N+1]: every ancestor matched
-    # siblings hold distinct tokens, so each row's matching nodes form one chain: sort it by depth, the rest after
-    order = torch.argsort(torch.where(on_path, trees.depths, trees.size), dim=1, stable=True)
-    lengths = on_path.sum(-1)  # kept nodes per row (root included)
-    bonus = choice.gather(1, order.gather(1, (lengths - 1)[:, None]))[:, 0]
-    table = torch.cat([lengths[:, None], order], dim=1).tolist()  # the one host read
-    return [row[1 : 1 + row[0]] for row in table], bonus
+    picks = choice.tolist()  # the one host read
+    kept, bonus = [], []
+    for row, tree in enumerate(trees.trees):
+        path = [0]
+        if len(tree) > 1:
+            host = tree.host()
+            children = {(parent, token): node for node, (parent, token) in enumerate(zip(host.parents, host.tokens))}
+            while (child := children.get((path[-1], picks[row][path[-1]]))) is not None:
+                path.append(child)
+        kept.append(path)
+        bonus.append(picks[row][path[-1]])
+    return kept, torch.tensor(bonus, device=trees.tokens.device)
 
 
 def greedy_accept(tree: DraftTree, processed: torch.Tensor) -> tuple[torch.LongTensor, torch.LongTensor]:

@@ -21,6 +21,8 @@ exploring steps keep measuring larger budgets, so the drafter comes back when it
 
 from __future__ import annotations
 
+import itertools
+import math
 import time
 import weakref
 from dataclasses import dataclass, field
@@ -244,18 +246,19 @@ class AutoBudget:
         zero = self.free_tau.mean(self.clock) if self.free_tau.count else 1.0
         return {b: self.tau[b].mean(self.clock) if b else zero for b in self.ladder if b == 0 or self.tau[b].count}
 
-    def observe_free(self, tree: DraftTree, path: torch.LongTensor, seconds: float | None = None) -> None:
-        """Record a budget-0 step that verified only free candidates (`free_at_zero`), and their `seconds` for the
-        row."""
-        self.free_tau.add(self.clock, path.numel() + 1.0)
+    def observe_free(self, tree: DraftTree, path: list[int], seconds: float | None = None) -> None:
+        """Record a budget-0 step that verified only free candidates (`free_at_zero`; `path`: the accepted nodes),
+        and their `seconds` for the row."""
+        self.free_tau.add(self.clock, len(path) + 1.0)
         self.free_size.add(self.clock, float(tree.num_drafted))
         if seconds is not None:
             self.free_seconds.add(self.clock, seconds)
 
     def observe(
-        self, tree: DraftTree, path: torch.LongTensor, drafting_seconds: float | None, budget: int | None = None
+        self, tree: DraftTree, path: list[int], drafting_seconds: float | None, budget: int | None = None
     ) -> None:
-        """Record, for every candidate this verified tree tells about, what it would have committed.
+        """Record, for every candidate this verified tree tells about, what it would have committed (`path`: the
+        accepted nodes, by depth).
 
         `budget`: the budget the tree was drafted with (None: only candidates up to its size are told about).
         `drafting_seconds`: the drafter time of this step, or None where it is not representative (the drafter first
@@ -265,14 +268,11 @@ class AutoBudget:
         unpruned = budget is not None and drafted < budget
         told = [b for b in self.tau if b <= drafted or unpruned]
         if told:
-            order = tree.pruning_order()  # what `DraftTree.prune` keeps a prefix of
-            rank = torch.empty_like(order)
-            rank[order] = torch.arange(len(tree), device=order.device)  # root has rank 0
-            path_ranks = rank[path.to(rank.device)]  # [L]
-            budgets = torch.tensor(told, device=rank.device)
-            inside = path_ranks[None, :] <= budgets[:, None]  # [C, L]: each path node kept under each budget
-            kept = torch.cumprod(inside.long(), dim=1).sum(dim=1).tolist()  # path cut at its first node outside
-            for b, count in zip(told, kept):
+            rank = {node: r for r, node in enumerate(tree.host().pruning_order())}  # `prune` keeps a prefix of it
+            path_ranks = [rank[node] for node in path]
+            for b in told:
+                # the accepted path cut at its first node outside the first b of the order
+                count = next((i for i, r in enumerate(path_ranks) if r > b), len(path_ranks))
                 self.tau[b].add(self.clock, count + 1.0)
                 self.size[b].add(self.clock, float(min(b, drafted)))
         if drafting_seconds is not None:
@@ -314,11 +314,13 @@ class AutoBudget:
         longest = max(tree.num_drafted for tree in trees)
         if longest == 0 or self.trees < self.warmup:
             return trees
-        expected = torch.full((longest + 1,), float(len(trees)))  # E[tokens] over the rows keeping n nodes each
-        for tree in trees:
-            gains = torch.cumsum(tree.path_scores()[tree.pruning_order()[1:]].exp().cpu(), 0)
-            expected[1 : gains.numel() + 1] += gains
-            expected[gains.numel() + 1 :] += gains[-1] if gains.numel() else 0.0
+        expected = [float(len(trees))] * (longest + 1)  # E[tokens] over the rows keeping n nodes each
+        for tree in trees:  # on the host copy of each tree (our drafters grow them there)
+            host = tree.host()
+            scores = host.path_scores()
+            gains = list(itertools.accumulate(math.exp(scores[node]) for node in host.pruning_order()[1:]))
+            for n in range(1, longest + 1):
+                expected[n] += gains[min(n, len(gains)) - 1] if gains else 0.0
         drafting = self.drafting.mean(self.clock) * self.batch_size if drafted else 0.0
         rates = [float(e) / (self.step_seconds(n) + drafting) for n, e in enumerate(expected)]
         best = max(range(len(rates)), key=rates.__getitem__)

@@ -20,10 +20,13 @@ def compact_cache(cache: DynamicCache, past_length: int, kept: list[list[int]]) 
     width = max(len(nodes) for nodes in kept)
     if any(nodes != list(range(width)) for nodes in kept):
         index = past_length + kept_index(kept, cache.layers[0].keys.device)  # [B, K]: holes repeat the row's last entry
+        expanded: dict[tuple, torch.LongTensor] = {}  # per (device, heads, head dim): built once, shared by the layers
         for layer in _full_attention_layers(cache):
-            idx = index.to(layer.keys.device)[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[3])
-            layer.keys[:, :, past_length : past_length + width] = layer.keys.gather(2, idx)
-            layer.values[:, :, past_length : past_length + width] = layer.values.gather(2, idx)
+            shape = (layer.keys.device, layer.keys.shape[1], layer.keys.shape[3])
+            if shape not in expanded:
+                expanded[shape] = index.to(shape[0])[:, None, :, None].expand(-1, shape[1], -1, shape[2])
+            layer.keys[:, :, past_length : past_length + width] = layer.keys.gather(2, expanded[shape])
+            layer.values[:, :, past_length : past_length + width] = layer.values.gather(2, expanded[shape])
     truncate_cache(cache, past_length + width)
     counts = torch.tensor([len(nodes) for nodes in kept])
     return torch.arange(width)[None, :] < counts[:, None]

@@ -313,8 +313,7 @@ class _Loop:
         kept_scores, kept_raw = kept_rows(kept, index, processed, raw, self.generation_config.output_logits)
         if budget > 0 or (budget == 0 and any(row.generator.free_candidates is not None for row in live)):
             for i, (row, tree, (_, drafting_seconds)) in enumerate(zip(live, trees, drafted)):
-                self._learn(row, tree, index[i, 1 : lengths[i]], bonus[i : i + 1], raw[i, : len(tree)],
-                            budget, drafting_seconds)  # fmt: skip
+                self._learn(row, tree, kept[i][1:], bonus[i : i + 1], raw[i, : len(tree)], budget, drafting_seconds)
         self.stats.iterations += len(live)
         self.stats.nodes_per_iteration += [tree.num_drafted for tree in trees]
         self.stats.accepted_per_iteration += lengths
@@ -331,14 +330,15 @@ class _Loop:
         return visible, counts
 
     def _learn(
-        self, row: Row, tree: DraftTree, path: torch.LongTensor, bonus: torch.LongTensor, logits: torch.Tensor,
+        self, row: Row, tree: DraftTree, path: list[int], bonus: torch.LongTensor, logits: torch.Tensor,
         budget: int, drafting_seconds: float | None,
     ) -> None:  # fmt: skip
-        """What one row's verified tree teaches: the free candidates' scores, online adaptation's signal and the
-        budget chooser's estimates."""
+        """What one row's verified tree (its accepted nodes `path`) teaches: the free candidates' scores, online
+        adaptation's signal and the budget chooser's estimates."""
         row.generator.record_verified(tree, path)
         if self.adapter is not None and budget > 0:  # the verified rows teach the drafter (no extra target forward)
-            self.adapter.capture(row.generator, tree, path, bonus, logits.float())
+            path_nodes = torch.tensor(path, dtype=torch.long, device=tree.tokens.device)
+            self.adapter.capture(row.generator, tree, path_nodes, bonus, logits.float())
         if self.auto_budget is not None and budget > 0:
             self.auto_budget.observe(tree, path, drafting_seconds, budget=budget)
         elif self.auto_budget is not None and self.auto_budget.free_at_zero:

@@ -295,8 +295,8 @@ class FreeCandidates:
             self.suffix.accepted(accepted, eos_token_ids)
         if not self.proposed:
             return
-        tokens, parents, _, _ = tree.host()
-        children = {(p, t): i for i, (p, t) in enumerate(zip(parents, tokens))}
+        host = tree.host()
+        children = {(p, t): i for i, (p, t) in enumerate(zip(host.parents, host.tokens))}
         self.streak = False
         for kind, chain in self.proposed:
             self.scores.record(kind, chain, children, accepted)

@@ -4,10 +4,12 @@ A tree holds the last committed token as node 0 (the root) and the drafted token
 come before their children, so every prefix of the node order is a valid tree. Siblings hold distinct tokens (the
 acceptors rely on it): a chain from another candidate source is merged into the nodes it agrees with.
 
-The tree's tensors live on the drafter's device and its bookkeeping makes no host round trip per node or per depth
-(on a GPU each is a sync): walks up the tree use pointer jumping, ceil(log2(N+1)) steps bounded by the node count the
-host knows, and `merge_chain` reads the tree back once per iteration (`_host`), not once per chain token. A tree of
-free candidates alone is built and pruned on the host (`HostTree`) and copied to the device once.
+Trees are grown on the host (`HostTree`): a drafter reads each forward's candidates back once and grows, merges the
+free candidates and prunes there, and the pruned tree reaches the device in one copy with its ancestor matrix
+(`HostTree.to_device`); its `DraftTree` keeps the host copy, so later walks (pruning order, path scores) cost no
+device op either. A tree grown on the device (`add_nodes`) makes no host round trip per node or per depth (on a GPU
+each is a sync): walks up the tree use pointer jumping, ceil(log2(N+1)) steps bounded by a depth the host knows,
+and `merge_chain` reads the tree back once (`host()`), not once per chain token.
 """
 
 from __future__ import annotations
@@ -19,6 +21,9 @@ import numpy
 import torch
 
 from ..utils import additive_mask
+
+UNKNOWN_ROOT = -1
+"""A host tree's root token where only the device knows it (a drafter's tree: its root is the last committed token)."""
 
 SOURCE_BITS = {"drafter": 1, "prompt_lookup": 2, "ngram_cache": 4, "suffix_cache": 8, "suffix_local": 16}
 """Candidate sources a tree node can come from (a node several sources proposed carries several bits)."""
@@ -43,8 +48,9 @@ class DraftTree:
     sources: torch.LongTensor | None = None  # None: every drafted node is the drafter's
     depth_bound: int | None = None
     _ancestors: torch.BoolTensor | None = field(default=None, init=False, repr=False)  # cache, reset on growth
-    # host copies of (tokens, parents, depths, scores) for `merge_chain`, kept in step by it, reset by other growth
-    _host: tuple[list[int], list[int], list[int], list[float]] | None = field(default=None, init=False, repr=False)
+    # the tree's host copy (`host()`), kept in step by `merge_chain`, reset by other growth: where it is known, walks
+    # (`path_scores`, `pruning_order`, `prune`) run on the host and cost no device op
+    _host: HostTree | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.sources is None:
@@ -100,13 +106,14 @@ class DraftTree:
         self.depth_bound = max(self.depth_bound, max_depth if max_depth is not None else len(self) - 1)
         return torch.arange(first, len(self), device=self.tokens.device)
 
-    def host(self) -> tuple[list[int], list[int], list[int], list[float]]:
-        """Host copies of (tokens, parents, depths, scores): one read of the device per tree, kept in step by
-        `merge_chain` (a tree built by `HostTree.to_device` has them from the start)."""
+    def host(self) -> HostTree:
+        """The tree's host copy: one read of the device per tree, kept in step by `merge_chain` (a tree built by
+        `HostTree.to_device` has it from the start)."""
         if self._host is None:
-            host = torch.stack([self.tokens.double(), self.parents.double(), self.depths.double(), self.scores.double()])
-            tokens_h, parents_h, depths_h, scores_h = host.tolist()
-            self._host = ([int(t) for t in tokens_h], [int(p) for p in parents_h], [int(d) for d in depths_h], scores_h)
+            rows = [self.tokens, self.parents, self.depths, self.sources, self.scores]
+            tokens, parents, depths, sources, scores = torch.stack([row.double() for row in rows]).tolist()
+            self._host = HostTree([int(t) for t in tokens], [int(p) for p in parents], [int(d) for d in depths],
+                                  scores, [int(b) for b in sources])  # fmt: skip
         return self._host
 
     def merge_chain(self, tokens: list[int], scores: list[float], source: str, parent: int = 0) -> None:
@@ -114,34 +121,30 @@ class DraftTree:
 
         Where a node with the same token already sits under the same parent, the chain goes on from it: that node
         gains `source` and keeps the better of both scores. The rest of the chain is appended as new nodes, so
-        siblings stay distinct. `scores[i]` is the cumulative score of `tokens[i]`.
+        siblings stay distinct. `scores[i]` is the cumulative score of `tokens[i]`. Matched on the host copy (one
+        read per tree), the changes written to the device.
         """
-        bit = SOURCE_BITS[source]
-        host_tokens, host_parents, host_depths, host_scores = self.host()
-        node, matched, better, i = _match_chain(host_tokens, host_parents, host_scores, tokens, scores, parent)
+        host = self.host()
+        first = len(host)
+        node, matched, better, i = host.merge_chain(tokens, scores, source, parent)
         device = self.tokens.device
         if matched:
-            self.sources[torch.tensor(matched, device=device)] |= bit
+            self.sources[torch.tensor(matched, device=device)] |= SOURCE_BITS[source]
         if better:
             self.scores[torch.tensor(list(better), device=device)] = torch.tensor(
                 list(better.values()), dtype=self.scores.dtype, device=device
             )
-        rest = tokens[i:]
-        if not rest:
+        if len(host) == first:
             return
-        first, depth = len(self), host_depths[node] + 1
-        chain_parents = [node] + list(range(first, first + len(rest) - 1))
-        chain_depths = list(range(depth, depth + len(rest)))
         self.add_nodes(
-            torch.tensor(rest, dtype=torch.long, device=device),
-            torch.tensor(chain_parents, device=device),
-            torch.tensor(chain_depths, device=device),
-            torch.tensor(scores[i:], dtype=self.scores.dtype, device=device),
+            torch.tensor(host.tokens[first:], dtype=torch.long, device=device),
+            torch.tensor(host.parents[first:], device=device),
+            torch.tensor(host.depths[first:], device=device),
+            torch.tensor(host.scores[first:], dtype=self.scores.dtype, device=device),
             source,
-            max_depth=chain_depths[-1],
+            max_depth=host.depths[-1],
         )
-        self._host = (host_tokens + list(rest), host_parents + chain_parents, host_depths + chain_depths,
-                      host_scores + [float(numpy.float32(x)) for x in scores[i:]])  # fmt: skip
+        self._host = host  # `add_nodes` forgets the host copy; this one already holds the new nodes
 
     def ancestor_matrix(self) -> torch.BoolTensor:
         """[N+1, N+1] with `a[i, j]` True iff node j is node i or one of its ancestors (computed once per tree:
@@ -171,6 +174,8 @@ class DraftTree:
         Drafters build a child's score as its parent's plus a log-prob <= 0, so this equals `scores`; the cap makes
         the ranking safe anyway (a NaN counts as -inf): a node never ranks above one of its ancestors.
         """
+        if self._host is not None:
+            return torch.tensor(self._host.path_scores(), device=self.tokens.device)
         capped = torch.nan_to_num(self.scores.float(), nan=float("-inf"))
         jump = self.parents.clamp(min=0)
         for _ in range(self._jumps()):  # capped[i]: the minimum over i and its first 2^step - 1 ancestors
@@ -187,13 +192,11 @@ class DraftTree:
         above = (self.path_scores()[1:][None, :] >= scores.reshape(-1, 1)).sum(dim=1)
         return (budget - above).clamp(min=0)
 
-    def cannot_reach(self, best_new_score: torch.Tensor, budget: int) -> bool:
-        """Whether nodes scoring at most `best_new_score`, added now, would all fall outside `prune(budget)`."""
-        return int(self.room_below(best_new_score, budget)[0]) == 0
-
     def pruning_order(self) -> torch.LongTensor:
         """[N+1] node ids best first (root first): descending `path_scores`, ties in node order. Every node comes
         after all its ancestors, so every prefix of this order is a tree (what `prune` keeps)."""
+        if self._host is not None:
+            return torch.tensor(self._host.pruning_order(), device=self.tokens.device)
         scores = self.path_scores()
         scores[0] = float("inf")
         return torch.sort(scores, descending=True, stable=True).indices
@@ -202,6 +205,9 @@ class DraftTree:
         """Keep the root and the first `budget` drafted nodes of `pruning_order` (ancestors of kept nodes are kept)."""
         if self.num_drafted <= budget:
             return self
+        if self._host is not None:  # on the host, then one copy (no device walk)
+            root = self.tokens[:1] if self._host.tokens[0] == UNKNOWN_ROOT else None
+            return self._host.prune(budget).to_device(self.tokens.device, root)
         kept = self.pruning_order()[: budget + 1].sort().values  # in node order: parents before children
         new_index = torch.full_like(self.parents, -1).scatter_(0, kept, torch.arange(budget + 1, device=kept.device))
         parents = self.parents[kept]
@@ -238,7 +244,9 @@ def _match_chain(
 @dataclass
 class HostTree:
     """A draft tree built on the host, as `DraftTree` builds one (same merging, same pruning), for trees whose every
-    node is known there (the free candidates alone): it reaches the device in one copy (`to_device`)."""
+    node is known there (the free candidates, and the drafters' trees: they read each forward's candidates back
+    once and grow the tree here): it reaches the device in one copy (`to_device`), ancestor matrix included. The
+    root's token may be unknown on the host (`UNKNOWN_ROOT`): `to_device` then takes it from the device."""
 
     tokens: list[int]
     parents: list[int]
@@ -247,52 +255,97 @@ class HostTree:
     sources: list[int]
 
     @classmethod
-    def root_only(cls, token: int) -> "HostTree":
+    def root_only(cls, token: int = UNKNOWN_ROOT) -> "HostTree":
         return cls([token], [-1], [0], [0.0], [0])
 
     def __len__(self) -> int:
         return len(self.tokens)
 
-    def merge_chain(self, tokens: list[int], scores: list[float], source: str, parent: int = 0) -> None:
-        """As `DraftTree.merge_chain`."""
+    @property
+    def num_drafted(self) -> int:
+        return len(self) - 1
+
+    def add_node(self, token: int, parent: int, score: float, source: str = "drafter") -> int:
+        """Append one node under `parent` (already in the tree); `score` is rounded to float32. Returns its index."""
+        self.tokens.append(token)
+        self.parents.append(parent)
+        self.depths.append(self.depths[parent] + 1)
+        self.scores.append(float(numpy.float32(score)))
+        self.sources.append(SOURCE_BITS[source])
+        return len(self) - 1
+
+    def merge_chain(
+        self, tokens: list[int], scores: list[float], source: str, parent: int = 0
+    ) -> tuple[int, list[int], dict[int, float], int]:
+        """As `DraftTree.merge_chain`; returns what `_match_chain` returns (the device tree mirrors it)."""
         bit = SOURCE_BITS[source]
-        node, matched, _, i = _match_chain(self.tokens, self.parents, self.scores, tokens, scores, parent)
+        node, matched, better, i = _match_chain(self.tokens, self.parents, self.scores, tokens, scores, parent)
         for m in matched:
             self.sources[m] |= bit
         rest = tokens[i:]
-        if not rest:
-            return
-        first, depth = len(self), self.depths[node] + 1
-        self.tokens += rest
-        self.parents += [node] + list(range(first, first + len(rest) - 1))
-        self.depths += range(depth, depth + len(rest))
-        self.scores += [float(numpy.float32(x)) for x in scores[i:]]
-        self.sources += [bit] * len(rest)
+        if rest:
+            first, depth = len(self), self.depths[node] + 1
+            self.tokens += rest
+            self.parents += [node] + list(range(first, first + len(rest) - 1))
+            self.depths += range(depth, depth + len(rest))
+            self.scores += [float(numpy.float32(x)) for x in scores[i:]]
+            self.sources += [bit] * len(rest)
+        return node, matched, better, i
+
+    def path_scores(self) -> list[float]:
+        """As `DraftTree.path_scores`: each node's score capped by its ancestors' (NaN as -inf)."""
+        capped = [0.0] * len(self)
+        for i, (parent, score) in enumerate(zip(self.parents, self.scores)):  # parents come before their children
+            score = float("-inf") if math.isnan(score) else score
+            capped[i] = min(score, capped[parent]) if parent >= 0 else score
+        return capped
+
+    def pruning_order(self) -> list[int]:
+        """As `DraftTree.pruning_order`: node ids best first, the root first, ties in node order."""
+        capped = self.path_scores()
+        capped[0] = float("inf")
+        return sorted(range(len(self)), key=lambda i: -capped[i])
+
+    def room_below(self, score: float, budget: int) -> int:
+        """As `DraftTree.room_below`, for one score."""
+        return max(0, budget - sum(1 for s in self.path_scores()[1:] if s >= score))
 
     def prune(self, budget: int) -> "HostTree":
         """As `DraftTree.prune`: the root and the `budget` drafted nodes of the best path scores (the minimum score
         on the path from the root, NaN as -inf; ties to the older node)."""
         if len(self) - 1 <= budget:
             return self
-        capped = [0.0] * len(self)
-        for i, (parent, score) in enumerate(zip(self.parents, self.scores)):  # parents come before their children
-            score = float("-inf") if math.isnan(score) else score
-            capped[i] = min(score, capped[parent]) if parent >= 0 else score
-        capped[0] = float("inf")
-        kept = sorted(sorted(range(len(self)), key=lambda i: -capped[i])[: budget + 1])
+        kept = sorted(self.pruning_order()[: budget + 1])
         new_index = {old: new for new, old in enumerate(kept)}
         return HostTree(
             [self.tokens[i] for i in kept], [new_index[self.parents[i]] if i else -1 for i in kept],
             [self.depths[i] for i in kept], [self.scores[i] for i in kept], [self.sources[i] for i in kept],
         )  # fmt: skip
 
-    def to_device(self, device: torch.device | str) -> DraftTree:
-        """The tree as a `DraftTree` on `device`, from one host -> device copy; it keeps the host copy (no read)."""
-        score_bits = numpy.asarray(self.scores, dtype=numpy.float32).view(numpy.int32).tolist()
-        rows = [self.tokens, self.parents, self.depths, self.sources, score_bits]
-        tokens, parents, depths, sources, bits = torch.tensor(rows, dtype=torch.long, device=device).unbind()
-        tree = DraftTree(tokens, parents, depths, bits.int().view(torch.float32), sources, depth_bound=max(self.depths))
-        tree._host = (list(self.tokens), list(self.parents), list(self.depths), list(self.scores))
+    def ancestor_matrix(self) -> numpy.ndarray:
+        """[N+1, N+1] bool, as `DraftTree.ancestor_matrix`."""
+        anc = numpy.eye(len(self), dtype=bool)
+        for i, parent in enumerate(self.parents[1:], start=1):
+            anc[i] |= anc[parent]
+        return anc
+
+    def to_device(self, device: torch.device | str, root: torch.LongTensor | None = None) -> DraftTree:
+        """The tree as a `DraftTree` on `device`, its ancestor matrix included, from one host -> device copy; it keeps
+        this host copy (no read). `root` ([1] on the device): the root's token where the host does not know it."""
+        if root is None and self.tokens[0] == UNKNOWN_ROOT:
+            raise ValueError("This host tree's root token is known on the device only: pass it as `root`.")
+        n = len(self)
+        table = numpy.empty((5 + n, n), dtype=numpy.int64)
+        table[:4] = [self.tokens, self.parents, self.depths, self.sources]
+        table[4] = numpy.asarray(self.scores, dtype=numpy.float32).view(numpy.int32)
+        table[5:] = self.ancestor_matrix()
+        table = torch.from_numpy(table).to(device)
+        tokens, parents, depths, sources, score_bits = table[:5].unbind()
+        if root is not None:
+            tokens = torch.cat([root.reshape(1).to(tokens), tokens[1:]])
+        tree = DraftTree(tokens, parents, depths, score_bits.int().view(torch.float32), sources, max(self.depths))
+        tree._ancestors = table[5:].bool()
+        tree._host = self
         return tree
 
 

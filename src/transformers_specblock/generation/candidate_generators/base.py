@@ -16,7 +16,7 @@ from ...models.tree_drafter.configuration_tree_drafter import AUTO
 from ...models.tree_drafter.modeling_tree_drafter import TreeDraftModel
 from ...utils import sync
 from ..lookup import free_candidates_for
-from ..tree import SOURCE_BITS, DraftTree, HostTree
+from ..tree import SOURCE_BITS, UNKNOWN_ROOT, DraftTree, HostTree
 
 
 _COMPILED: dict[tuple[type, str], Callable[..., Any]] = {}  # (drafter class, method) -> compiled function
@@ -41,19 +41,17 @@ class DraftingStats:
     drafter_forwards: int = 0
     drafter_time_s: float = 0.0
     blocks_per_iteration: list[int] = field(default_factory=list)
-    accepted_per_source: torch.Tensor | None = None  # [len(SOURCE_BITS)] on the device: no host read per step
+    accepted_per_source: list[int] = field(default_factory=lambda: [0] * len(SOURCE_BITS))
 
-    def count_accepted(self, sources: torch.LongTensor) -> None:
-        """Count accepted nodes per source (`sources`: their source bit masks)."""
-        bits = torch.tensor(list(SOURCE_BITS.values()), device=sources.device)
-        counts = ((sources[:, None] & bits) > 0).sum(0)
-        self.accepted_per_source = counts if self.accepted_per_source is None else self.accepted_per_source + counts
+    def count_accepted(self, sources: list[int]) -> None:
+        """Count accepted nodes per source (`sources`: their source bit masks, from the tree's host copy)."""
+        for i, bit in enumerate(SOURCE_BITS.values()):
+            self.accepted_per_source[i] += sum(1 for mask in sources if mask & bit)
 
     @property
     def accepted_by_source(self) -> dict[str, int]:
-        """Accepted drafted tokens each source proposed (one host read)."""
-        counts = self.accepted_per_source.tolist() if self.accepted_per_source is not None else [0] * len(SOURCE_BITS)
-        return dict(zip(SOURCE_BITS, counts))
+        """Accepted drafted tokens each source proposed."""
+        return dict(zip(SOURCE_BITS, self.accepted_per_source))
 
 
 class TreeCandidateGenerator(CandidateGenerator):
@@ -129,8 +127,9 @@ class TreeCandidateGenerator(CandidateGenerator):
         is the rotary position of next_tokens[0]."""
         raise NotImplementedError
 
-    def grow_tree(self, root_token: torch.LongTensor) -> DraftTree:
-        """The drafter's tree rooted at the last committed token `root_token` ([1], on the device: no host read)."""
+    def grow_tree(self, root_token: torch.LongTensor) -> DraftTree | HostTree:
+        """The drafter's tree rooted at the last committed token `root_token` ([1], on the device: no host read);
+        a `HostTree` (root token `UNKNOWN_ROOT`) where the drafter grows it on the host."""
         raise NotImplementedError
 
     def draft_tree(self, sequence: torch.LongTensor, with_drafter: bool = True) -> DraftTree:
@@ -145,6 +144,8 @@ class TreeCandidateGenerator(CandidateGenerator):
             return self._free_tree(sequence)
         root = sequence[-1:]
         tree = self.grow_tree(root) if with_drafter else DraftTree.root_only(root, self.drafter.device)
+        if isinstance(tree, HostTree):  # grown on the host: merged and pruned there, then one copy to the device
+            return self._finish_host_tree(tree, sequence)
         self.drafted = tree if self.keep_producers and with_drafter else None
         if self.free_candidates is None:
             return tree.prune(self.tree_budget)
@@ -152,6 +153,22 @@ class TreeCandidateGenerator(CandidateGenerator):
         self.free_candidates.add_to(tree, self.free_candidates.follow(sequence))
         self._account(start, forwards=0)
         return tree.prune(self._free_budget())
+
+    def _finish_host_tree(self, tree: HostTree, sequence: torch.LongTensor) -> DraftTree:
+        """A drafter's host-grown tree with the free candidates merged in, pruned, on the device (one copy)."""
+        start = time.perf_counter()
+        device, root = self.drafter.device, sequence[-1:]
+        budget = self.tree_budget
+        if self.free_candidates is not None:
+            text = self.free_candidates.follow(sequence)
+            tree.tokens[0] = text[-1]
+            self.free_candidates.add_to(tree, text)
+            budget = self._free_budget()
+        # online adaptation reads the unpruned tree's nodes (`note_producers` gave their indices)
+        self.drafted = tree.to_device(device, root) if self.keep_producers else None
+        pruned = tree.prune(budget).to_device(device, root if tree.tokens[0] == UNKNOWN_ROOT else None)
+        self._account(start, forwards=0)
+        return pruned
 
     def _free_tree(self, sequence: torch.LongTensor) -> DraftTree:
         """The free candidates' tree alone: built and pruned on the host, copied to the device once (no read)."""
@@ -181,10 +198,12 @@ class TreeCandidateGenerator(CandidateGenerator):
         if self.keep_producers:
             self.producers.append((nodes, states.detach(), root_slots))
 
-    def record_verified(self, tree: DraftTree, path: torch.LongTensor) -> None:
-        """What the target accepted of a verified tree: counted per source; the free candidates learn it once the
-        step's tokens reach the host (`commit_tokens`)."""
-        self.stats.count_accepted(tree.sources[path.to(tree.sources.device)])
+    def record_verified(self, tree: DraftTree, path: list[int]) -> None:
+        """What the target accepted of a verified tree (`path`: the accepted nodes): counted per source; the free
+        candidates learn it once the step's tokens reach the host (`commit_tokens`)."""
+        if path:  # (a root-only tree may not have a host copy: nothing to count)
+            sources = tree.host().sources
+            self.stats.count_accepted([sources[node] for node in path])
         self.verified = tree
 
     def commit_tokens(self, tokens: list[int], kept: int) -> None:

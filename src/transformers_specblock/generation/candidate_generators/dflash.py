@@ -12,52 +12,36 @@ from transformers import DynamicCache
 from ...models.dflash.configuration_dflash import max_tree_nodes
 from ...models.dflash.modeling_dflash import DFlashDraftModel
 from ..cache_utils import truncate_cache
-from ..tree import DraftTree
+from ..tree import HostTree
 from .base import TreeCandidateGenerator, compiled_method
 
 
-def best_first_tree(
-    root_token: int | torch.LongTensor,
-    log_probs: torch.Tensor,
-    token_ids: torch.LongTensor,
-    budget: int,
-    device: torch.device,
-) -> DraftTree:
+def best_first_tree(log_probs: torch.Tensor, token_ids: torch.LongTensor, budget: int) -> HostTree:
     """The `budget` best nodes of the tree whose depth-d children are the candidates of block position d.
 
     log_probs / token_ids: [D, K] per-position candidates sorted by descending log-probability. A node's score is
     the sum of its path's log-probabilities; nodes are taken best first from a heap that holds, for every taken
     node, its best child and its next sibling. So the result is the top-`budget` subtree by path score, every node
     after its parent, siblings distinct (ties go to the node pushed first). The candidates are read back to the
-    host once (one sync); `root_token` (an int or a one-element tensor) stays where it is.
+    host once (one sync); the tree is grown there (its root token, the last committed one, stays on the device).
     """
     depth, top_k = log_probs.shape
     lp, ids = torch.stack([log_probs.double(), token_ids.double()]).tolist()  # token ids are exact in float64
     ids = [[int(i) for i in row] for row in ids]
-    tokens, parents, depths, scores = [0], [-1], [0], [0.0]  # the root's token is put in below
+    tree, exact = HostTree.root_only(), [0.0]  # the scores summed in float64, as the heap ranks them
     heap = [(-lp[0][0], 0, 0, 1, 0)]  # (-score, push order, parent node, depth, rank at that depth)
     pushed = 1
-    while heap and len(tokens) <= budget:
+    while heap and len(tree) <= budget:
         neg_score, _, parent, level, rank = heapq.heappop(heap)
-        node = len(tokens)
-        tokens.append(ids[level - 1][rank])
-        parents.append(parent)
-        depths.append(level)
-        scores.append(-neg_score)
+        node = tree.add_node(ids[level - 1][rank], parent, -neg_score)
+        exact.append(-neg_score)
         if rank + 1 < top_k:  # next sibling: the parent's score plus the next candidate of this position
-            heapq.heappush(heap, (-(scores[parent] + lp[level - 1][rank + 1]), pushed, parent, level, rank + 1))
+            heapq.heappush(heap, (-(exact[parent] + lp[level - 1][rank + 1]), pushed, parent, level, rank + 1))
             pushed += 1
         if level < depth:  # best child: this node's score plus the best candidate of the next position
-            heapq.heappush(heap, (-(scores[node] + lp[level][0]), pushed, node, level + 1, 0))
+            heapq.heappush(heap, (-(exact[node] + lp[level][0]), pushed, node, level + 1, 0))
             pushed += 1
-    root = torch.as_tensor(root_token, device=device).reshape(1).long()
-    return DraftTree(
-        tokens=torch.cat([root, torch.tensor(tokens[1:], dtype=torch.long, device=device)]),
-        parents=torch.tensor(parents, dtype=torch.long, device=device),
-        depths=torch.tensor(depths, dtype=torch.long, device=device),
-        scores=torch.tensor(scores, dtype=torch.float32, device=device),
-        depth_bound=max(depths),
-    )
+    return tree
 
 
 class DFlashCandidateGenerator(TreeCandidateGenerator):
@@ -94,7 +78,7 @@ class DFlashCandidateGenerator(TreeCandidateGenerator):
             self.pending_first_position = first_position - 1
         self.pending.append(target_features)
 
-    def grow_tree(self, root_token: torch.LongTensor) -> DraftTree:
+    def grow_tree(self, root_token: torch.LongTensor) -> HostTree:
         """One block forward from the last committed token, then the best-first tree (`draft_tree` prunes)."""
         start = time.perf_counter()
         drafter, device = self.drafter, self.drafter.device
@@ -118,7 +102,7 @@ class DFlashCandidateGenerator(TreeCandidateGenerator):
         depth = min(self.depth, self.tree_budget)  # a tree of n nodes is at most n deep: deeper logits go unused
         log_probs = drafter.draft_logits(out.last_hidden_state[0, 1 : depth + 1]).float().log_softmax(-1)  # [D, V]
         top_lp, top_ids = log_probs.topk(min(self.top_k, log_probs.shape[-1]), dim=-1)
-        tree = best_first_tree(root_token, top_lp, top_ids, self.tree_budget, device)
+        tree = best_first_tree(top_lp, top_ids, self.tree_budget)
         self.stats.blocks_per_iteration.append(1)
         self._account(start)
         return tree

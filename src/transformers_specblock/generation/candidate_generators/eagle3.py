@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import time
 
+import numpy
 import torch
 from transformers import DynamicCache
 
 from ...models.eagle3.modeling_eagle3 import Eagle3DraftModel
 from ..cache_utils import truncate_cache
-from ..tree import DraftTree
+from ..tree import HostTree
 from .base import TreeCandidateGenerator, compiled_method
 
 
@@ -66,14 +67,14 @@ class Eagle3CandidateGenerator(TreeCandidateGenerator):
         num_pos = next_tokens.shape[0]
         device = self.drafter.device
         start = time.perf_counter()
-        new = torch.ones(num_pos, num_pos, dtype=torch.bool, device=device).tril()
-        past = torch.ones(num_pos, self.committed_entries, dtype=torch.bool, device=device)
+        mask = numpy.ones((num_pos, self.committed_entries + num_pos), dtype=bool)  # built on the host: one copy
+        mask[:, self.committed_entries :] = numpy.tri(num_pos, dtype=bool)
         positions = torch.arange(first_position, first_position + num_pos, device=device)[None]
         out = compiled_method(self.drafter, "draft_step")(
             self.drafter.fuse_features(target_features)[None],
             next_tokens.to(device)[None],
             positions,
-            torch.cat([past, new], dim=1)[None],
+            torch.from_numpy(mask).to(device)[None],
             self.cache,
             logits_to_keep=1,
         )
@@ -83,52 +84,61 @@ class Eagle3CandidateGenerator(TreeCandidateGenerator):
         self._account(start)
 
     # ---------------------------------------------------------------------------------------------------------
-    def grow_tree(self, root_token: torch.LongTensor) -> DraftTree:
-        """The dynamic top-k tree from the last committed token, whose output `observe` computed (`draft_tree` prunes)."""
+    def grow_tree(self, root_token: torch.LongTensor) -> HostTree:
+        """The dynamic top-k tree from the last committed token, whose output `observe` computed (`draft_tree` prunes).
+
+        Grown on the host: each forward's top-k candidates are read back once (one sync per drafter forward), so
+        the frontier, the masks and the nodes cost no device op."""
         if self.root_output is None:
             raise RuntimeError("observe() must feed the committed context before draft_tree().")
         start = time.perf_counter()
-        device = self.drafter.device
-        d2t = self.drafter.d2t
-        k = self.top_k
-        tree = DraftTree.root_only(root_token, device)
+        device, k = self.drafter.device, self.top_k
+        tree = HostTree.root_only()
         logits, hidden = self.root_output
-        top_lp, top_ids = logits.float().log_softmax(-1).topk(k)
-        ones = torch.ones(k, dtype=torch.long, device=device)
-        frontier = tree.add_nodes(d2t[top_ids], ones - 1, ones, top_lp, max_depth=1)  # the root's children
-        self.note_producers(frontier, hidden[None].expand(k, -1), ones - 1)  # the root output: slot 0
+        [(root_lp, root_ids)] = self._read_top_k(logits[None])
+        frontier = [tree.add_node(token, 0, lp) for token, lp in zip(root_ids, root_lp)]  # the root's children
         frontier_hidden = hidden[None].expand(k, -1)  # every depth-1 node was produced by the root position
-        frontier_visible = torch.zeros(k, 0, dtype=torch.bool, device=device)  # over this iteration's entries
+        if self.keep_producers:  # the root output: slot 0
+            root_slots = torch.zeros(k, dtype=torch.long, device=device)
+            self.note_producers(torch.tensor(frontier, device=device), frontier_hidden, root_slots)
+        frontier_visible = numpy.zeros((k, 0), dtype=bool)  # over this iteration's entries
         rounds = 0
         for _ in range(min(self.depth, self.tree_budget - 1)):
-            if tree.cannot_reach(tree.scores[frontier].max(), self.tree_budget):  # children score below parents
-                break
+            if tree.room_below(max(tree.scores[node] for node in frontier), self.tree_budget) == 0:
+                break  # children score below their parents: none could survive pruning
             rounds += 1
-            n = frontier.numel()
-            # the frontier's ancestors' entries, then each node's own new entry
-            visible = torch.cat([frontier_visible, torch.eye(n, dtype=torch.bool, device=device)], dim=1)
-            committed = torch.ones(n, self.committed_entries, dtype=torch.bool, device=device)
+            n = len(frontier)
+            # the committed cache, the frontier's ancestors' entries, then each node's own new entry
+            visible = numpy.concatenate([frontier_visible, numpy.eye(n, dtype=bool)], axis=1)
+            mask = numpy.concatenate([numpy.ones((n, self.committed_entries), dtype=bool), visible], axis=1)
+            inputs = torch.tensor([[tree.tokens[node] for node in frontier], [tree.depths[node] for node in frontier]])
+            inputs = inputs.to(device)
             out = compiled_method(self.drafter, "draft_step")(
                 frontier_hidden[None],
-                tree.tokens[frontier][None],
-                (self.root_position + tree.depths[frontier])[None],
-                torch.cat([committed, visible], dim=1)[None],
+                inputs[0][None],
+                (self.root_position + inputs[1])[None],
+                torch.from_numpy(mask).to(device)[None],
                 self.cache,
             )
             self.stats.drafter_forwards += 1
-            child_lp, child_ids = out.logits[0].float().log_softmax(-1).topk(k, dim=-1)  # [n, k]
-            cumulative = (tree.scores[frontier][:, None] + child_lp).flatten()  # parent-major
-            parents = frontier.repeat_interleave(k)
-            children = tree.add_nodes(
-                d2t[child_ids.flatten()], parents, tree.depths[parents] + 1, cumulative, max_depth=tree.depth_bound + 1
-            )
-            if self.keep_producers:  # online adaptation: node i's children came from frontier state i
-                self.note_producers(children, out.hidden_states[0].repeat_interleave(k, 0))
-            best = cumulative.topk(min(k, cumulative.numel())).indices
-            frontier = children[best]
-            frontier_hidden = out.hidden_states[0][best // k]
-            frontier_visible = visible[best // k]
+            children = [  # parent-major: node i's children come from frontier state i
+                tree.add_node(token, parent, tree.scores[parent] + lp)
+                for parent, (child_lp, child_ids) in zip(frontier, self._read_top_k(out.logits[0]))
+                for token, lp in zip(child_ids, child_lp)
+            ]
+            if self.keep_producers:
+                self.note_producers(torch.tensor(children, device=device), out.hidden_states[0].repeat_interleave(k, 0))
+            best = sorted(range(len(children)), key=lambda i: -tree.scores[children[i]])[:k]  # ties: older first
+            frontier = [children[i] for i in best]
+            frontier_hidden = out.hidden_states[0][torch.tensor([i // k for i in best], device=device)]
+            frontier_visible = visible[[i // k for i in best]]
         truncate_cache(self.cache, self.committed_entries)
         self.stats.blocks_per_iteration.append(rounds)
         self._account(start, forwards=0)
         return tree
+
+    def _read_top_k(self, logits: torch.Tensor) -> list[tuple[list[float], list[int]]]:
+        """[n, Vd] draft logits -> per row its top-k log-probs and their target-vocabulary ids, in ONE host read."""
+        top_lp, top_ids = logits.float().log_softmax(-1).topk(self.top_k, dim=-1)
+        rows = torch.stack([top_lp.double(), self.drafter.d2t[top_ids].double()], dim=1).tolist()  # [n][2][k]
+        return [(lp, [int(t) for t in ids]) for lp, ids in rows]

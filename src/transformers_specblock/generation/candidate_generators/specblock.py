@@ -5,26 +5,29 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+import numpy
 import torch
 from transformers import DynamicCache
 
-from ...models.specblock.modeling_specblock import SpecBlockDraftModel, block_causal_mask, followup_block_mask
+from ...models.specblock.modeling_specblock import SpecBlockDraftModel, followup_block_mask, host_block_causal_mask
 from ..cache_utils import truncate_cache
-from ..tree import DraftTree
+from ..tree import HostTree
 from .base import TreeCandidateGenerator, compiled_method
 
 
 @dataclass
 class _Round:
-    """One round of blocks: their outputs, where each block's slots sit among this iteration's drafter entries,
-    which of those entries each block sees, the tree node each block starts from and that node's depth."""
+    """One round of blocks, read back to the host once: each block's top candidates per slot, how many each slot
+    takes, where its slots sit among this iteration's drafter entries and which of those entries it saw, and the
+    tree node it starts from. The slot states stay on the device (a follow-up block inherits one)."""
 
-    log_probs: torch.Tensor  # [B, K, Vd]
-    hidden: torch.Tensor  # [B, K, H] pre-norm slot states
-    widths: torch.Tensor  # [B, K] candidates per slot (0 ends the branch)
-    entry_offset: torch.Tensor  # [B] first local cache entry of each block
-    inherited: torch.BoolTensor  # [B, T] local entries each block saw
-    start_nodes: torch.LongTensor  # [B]
+    log_probs: list[list[list[float]]]  # [B][K][W] top draft log-probs per slot, best first
+    tokens: list[list[list[int]]]  # [B][K][W] their target-vocabulary ids
+    widths: list[list[int]]  # [B][K] candidates per slot (0 ends the branch)
+    hidden: torch.Tensor  # [B, K, H] pre-norm slot states, on the device
+    entry_offsets: list[int]  # [B] first local cache entry of each block
+    inherited: numpy.ndarray  # [B, T] bool: local entries each block saw
+    start_nodes: list[int]  # [B]
 
 
 class SpecBlockCandidateGenerator(TreeCandidateGenerator):
@@ -82,13 +85,13 @@ class SpecBlockCandidateGenerator(TreeCandidateGenerator):
         """One drafter forward appending K slot entries per position to the drafter cache; the head runs on the last
         position only (the one whose block 1 starts the next tree)."""
         num_pos, device = next_tokens.shape[0], self.drafter.device
-        mask = block_causal_mask(num_pos, self.block_size, self.committed_entries, device)[None]
+        mask = torch.from_numpy(host_block_causal_mask(num_pos, self.block_size, self.committed_entries)).to(device)
         positions = torch.arange(first_position, first_position + num_pos, device=device)[None]
         out = compiled_method(self.drafter, "draft_blocks")(
             self.drafter.project_condition(target_features)[None],
             next_tokens.to(device)[None],
             positions,
-            mask,
+            mask[None],
             self.cache,
             logits_to_keep=1,
         )
@@ -96,75 +99,86 @@ class SpecBlockCandidateGenerator(TreeCandidateGenerator):
         return out
 
     # ---------------------------------------------------------------------------------------------------------
-    def grow_tree(self, root_token: torch.LongTensor) -> DraftTree:
-        """The block tree from the last committed token, whose block 1 `observe` drafted (`draft_tree` prunes)."""
+    def grow_tree(self, root_token: torch.LongTensor) -> HostTree:
+        """The block tree from the last committed token, whose block 1 `observe` drafted (`draft_tree` prunes).
+
+        Grown on the host: each round's candidates are read back once (one sync per drafter forward), so choosing
+        the follow-up blocks, their masks and the nodes cost no device op."""
         if self.root_block is None:
             raise RuntimeError("observe() must feed the committed context before draft_tree().")
         start = time.perf_counter()
-        device = self.drafter.device
         k_slots = self.block_size
-        tree = DraftTree.root_only(root_token, device)
+        tree = HostTree.root_only()
         logits, hidden, rank_logits = self.root_block
-        rnd = _Round(
-            log_probs=logits.float().log_softmax(-1)[None],
-            hidden=hidden[None],
-            widths=self._widths(rank_logits[None]),
-            entry_offset=torch.zeros(1, dtype=torch.long, device=device),
-            inherited=torch.zeros(1, 0, dtype=torch.bool, device=device),
-            start_nodes=torch.zeros(1, dtype=torch.long, device=device),
-        )
+        rnd = self._read_round(logits[None], hidden[None], rank_logits[None], [0], numpy.zeros((1, 0), dtype=bool))
         local_entries = k_slots  # block 1 = the root position's K cached slots
         blocks = 1
         for round_idx in range(self.max_blocks):
-            nodes, block_of, slot_of, leaf = self._expand(tree, rnd)
+            nodes = self._expand(tree, rnd)
             if self.keep_producers:  # online adaptation: block 1's slots are the root position's own outputs
-                self.note_producers(nodes, rnd.hidden[block_of, slot_of], slot_of if round_idx == 0 else None)
-            if round_idx == self.max_blocks - 1:
+                self._note_round(nodes, rnd, first_round=round_idx == 0)
+            if round_idx == self.max_blocks - 1 or not nodes:  # the last round, or every branch ended (width 0)
                 break
-            if nodes.numel() == 0:  # every slot ended its branch (width 0): nothing to follow up
+            # follow-up blocks start from the best-scoring leaves of this round (chain ends and siblings), best first
+            # (ties to the older node); a block's nodes score below its start leaf: draft only the blocks, and the
+            # slots, that could survive pruning to the budget (the pruned tree is the same, the forward cheaper).
+            # The room falls as the score does, so those blocks are a prefix of the best leaves.
+            leaves = sorted((n for n in nodes if n[3]), key=lambda n: -tree.scores[n[0]])[: self.max_followups]
+            rooms = [tree.room_below(tree.scores[n[0]], self.tree_budget) for n in leaves]
+            chosen = [leaf for leaf, room in zip(leaves, rooms) if room > 0]
+            if not chosen:
                 break
-            # follow-up blocks start from the best-scoring leaves of this round (chain ends and siblings)
-            leaf_scores = torch.where(leaf, tree.scores[nodes], float("-inf"))
-            top = leaf_scores.topk(min(self.max_followups, nodes.numel())).indices  # leaves first, best first
-            # a block's nodes score below its start leaf: draft only the blocks, and the slots, that could survive
-            # pruning to the budget (the pruned tree is the same; fewer rows make the forward cheaper). The room
-            # falls as the score does, so those blocks are a prefix of `top`: decided on the device, read back once
-            room = torch.where(leaf[top], tree.room_below(leaf_scores[top], self.tree_budget), 0)
-            num_blocks, num_slots = torch.stack([(room > 0).sum(), room.max().clamp(max=k_slots)]).tolist()
-            if num_blocks == 0:
-                break
-            top = top[:num_blocks]
-            chosen = nodes[top]
-            b, s = block_of[top], slot_of[top]
-            inherited = torch.zeros(chosen.numel(), local_entries, dtype=torch.bool, device=device)
-            inherited[:, : rnd.inherited.shape[1]] = rnd.inherited[b]
-            parent_slots = torch.arange(rnd.hidden.shape[1], device=device)
-            own = rnd.entry_offset[b, None] + parent_slots  # the parent block's entries, slots 0..s visible
-            inherited.scatter_(1, own, parent_slots[None, :] <= s[:, None])
+            num_slots = min(max(rooms), k_slots)
+            parent_slots = len(rnd.widths[0])
+            inherited = numpy.zeros((len(chosen), local_entries), dtype=bool)
+            for row, (_, block, slot, _) in enumerate(chosen):  # what the parent block saw, and its slots 0..s
+                inherited[row, : rnd.inherited.shape[1]] = rnd.inherited[block]
+                inherited[row, rnd.entry_offsets[block] : rnd.entry_offsets[block] + slot + 1] = True
+            start_nodes = [node for node, _, _, _ in chosen]
+            device = self.drafter.device
+            flat = torch.tensor([block * parent_slots + slot for _, block, slot, _ in chosen], device=device)
+            inputs = torch.tensor([[tree.tokens[n] for n in start_nodes], [tree.depths[n] for n in start_nodes]])
+            inputs = inputs.to(device)
+            mask = followup_block_mask(inherited, num_slots, self.committed_entries - k_slots, device)
             out = compiled_method(self.drafter, "draft_blocks")(
-                rnd.hidden[b, s][None],
-                tree.tokens[chosen][None],
-                self.drafter.followup_start_positions(self.root_position, tree.depths[chosen])[None],
-                followup_block_mask(inherited, num_slots, self.committed_entries - k_slots)[None],
+                rnd.hidden.flatten(0, 1)[flat][None],
+                inputs[0][None],
+                self.drafter.followup_start_positions(self.root_position, inputs[1])[None],
+                mask[None],
                 self.cache,
                 num_slots=num_slots,
             )
             self.stats.drafter_forwards += 1
-            num_new = chosen.numel()
-            rnd = _Round(
-                log_probs=out.logits[0].float().log_softmax(-1),
-                hidden=out.hidden_states[0],
-                widths=self._widths(out.rank_logits[0]),
-                entry_offset=local_entries + num_slots * torch.arange(num_new, device=device),
-                inherited=inherited,
-                start_nodes=chosen,
-            )
-            local_entries += num_slots * num_new
-            blocks += num_new
+            offsets = [local_entries + num_slots * i for i in range(len(chosen))]
+            rnd = self._read_round(out.logits[0], out.hidden_states[0], out.rank_logits[0], start_nodes, inherited,
+                                   offsets)  # fmt: skip
+            local_entries += num_slots * len(chosen)
+            blocks += len(chosen)
         truncate_cache(self.cache, self.committed_entries)
         self.stats.blocks_per_iteration.append(blocks)
         self._account(start, forwards=0)
         return tree
+
+    def _read_round(
+        self, logits: torch.Tensor, hidden: torch.Tensor, rank_logits: torch.Tensor, start_nodes: list[int],
+        inherited: numpy.ndarray, entry_offsets: list[int] | None = None,
+    ) -> _Round:  # fmt: skip
+        """A round's outputs (logits [B, K, Vd], slot states [B, K, H], rank logits [B, K, C]) with each slot's top
+        candidates, their target-vocabulary ids and the slot widths read back in ONE host read."""
+        top_lp, top_ids = logits.float().log_softmax(-1).topk(self.max_width, dim=-1)  # [B, K, W]
+        columns = [top_lp.double(), self.drafter.d2t[top_ids].double(),
+                   self._widths(rank_logits)[..., None].double()]  # fmt: skip
+        table = torch.cat(columns, dim=-1).tolist()  # [B][K][2W + 1]
+        width = self.max_width
+        return _Round(
+            log_probs=[[slot[:width] for slot in block] for block in table],
+            tokens=[[[int(t) for t in slot[width : 2 * width]] for slot in block] for block in table],
+            widths=[[int(slot[-1]) for slot in block] for block in table],
+            hidden=hidden,
+            entry_offsets=entry_offsets or [0],
+            inherited=inherited,
+            start_nodes=start_nodes,
+        )
 
     def _widths(self, rank_logits: torch.Tensor) -> torch.Tensor:
         """[B, K, C] rank logits -> [B, K] candidates per slot (0 = end the branch here)."""
@@ -172,35 +186,33 @@ class SpecBlockCandidateGenerator(TreeCandidateGenerator):
             return torch.full(rank_logits.shape[:2], self.drafter.config.fixed_width, device=rank_logits.device)
         return self.branch_widths.to(rank_logits.device)[rank_logits.argmax(-1)]
 
-    def _expand(
-        self, tree: DraftTree, rnd: _Round
-    ) -> tuple[torch.LongTensor, torch.LongTensor, torch.LongTensor, torch.BoolTensor]:
-        """Add every block's nodes: a greedy chain plus per-slot siblings, ordered slot-major so parents come first.
+    def _expand(self, tree: HostTree, rnd: _Round) -> list[tuple[int, int, int, bool]]:
+        """Add every block's nodes: per slot its top `width` candidates while every earlier slot had one (a width-0
+        slot ends the block's chain), the greedy one continuing the chain, in slot-major order (slot, block, rank)
+        so parents come first. Slot k's parent is the greedy node of slot k-1 (slot 0's: the block's start node).
 
-        Returns the new nodes with their block, slot and whether they are leaves of their block.
+        Returns the new nodes as (node, block, slot, whether it is a leaf of its block: a sibling or the last slot).
         """
-        num_blocks, k_slots, _ = rnd.log_probs.shape
-        alive = torch.cumprod(rnd.widths > 0, dim=1).bool()  # a width-0 slot ends the chain there
-        top_lp, top_ids = rnd.log_probs.topk(self.max_width, dim=-1)  # [B, K, W]
-        rank = torch.arange(self.max_width, device=top_ids.device)
-        take = alive[..., None] & (rank < rnd.widths[..., None])  # [B, K, W]
-        # slot-major order: (slot, block, rank)
-        take_sk = take.transpose(0, 1)
-        slot, block, rk = take_sk.nonzero(as_tuple=True)
-        node_ids = torch.full(take_sk.shape, -1, dtype=torch.long, device=top_ids.device)
-        node_ids[slot, block, rk] = torch.arange(len(tree), len(tree) + slot.numel(), device=top_ids.device)
-        greedy_prev = node_ids[(slot - 1).clamp(min=0), block, 0]
-        parents = torch.where(slot == 0, rnd.start_nodes[block], greedy_prev)
-        tokens = self.drafter.d2t[top_ids[block, slot, rk]]
-        # a node's score is its parent's plus its own log-prob (<= 0), so it never exceeds its parent's in float;
-        # the parent of slot k is the greedy node of slot k-1 (or the block's start node for slot 0)
-        top_lp = top_lp.clamp(max=0.0)
-        parent_scores = [tree.scores[rnd.start_nodes]]  # [B] per slot
-        for k in range(1, k_slots):
-            parent_scores.append(parent_scores[-1] + top_lp[:, k - 1, 0])
-        parent_score = torch.stack(parent_scores, dim=1)  # [B, K]
-        depths = tree.depths[rnd.start_nodes[block]] + slot + 1
-        scores = parent_score[block, slot] + top_lp[block, slot, rk]
-        new = tree.add_nodes(tokens, parents, depths, scores, max_depth=tree.depth_bound + k_slots)
-        leaf = (rk > 0) | (slot == k_slots - 1)  # siblings, and chains that reached the block's last slot
-        return new, block, slot, leaf
+        k_slots = len(rnd.widths[0])
+        chain_end = list(rnd.start_nodes)  # per block: the greedy node of the previous slot, or None once ended
+        new = []
+        for slot in range(k_slots):
+            for block, parent in enumerate(chain_end):
+                width = rnd.widths[block][slot] if parent is not None else 0
+                if width == 0:
+                    chain_end[block] = None
+                    continue
+                for rank in range(min(width, self.max_width)):
+                    # its parent's score plus its own log-prob, capped at 0: never above its parent's, even in float
+                    score = tree.scores[parent] + min(rnd.log_probs[block][slot][rank], 0.0)
+                    node = tree.add_node(rnd.tokens[block][slot][rank], parent, score)
+                    new.append((node, block, slot, rank > 0 or slot == k_slots - 1))
+                chain_end[block] = new[-min(width, self.max_width)][0]  # the greedy node
+        return new
+
+    def _note_round(self, nodes: list[tuple[int, int, int, bool]], rnd: _Round, first_round: bool) -> None:
+        """Online adaptation: each new node's producing slot state (block 1's slots are the root position's own)."""
+        device = rnd.hidden.device
+        index = torch.tensor([[node, block, slot] for node, block, slot, _ in nodes], device=device).reshape(-1, 3)
+        slots = index[:, 2]
+        self.note_producers(index[:, 0], rnd.hidden[index[:, 1], slots], slots if first_round else None)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -33,20 +34,34 @@ def block_causal_mask(num_positions: int, block_size: int, past_length: int, dev
     return torch.cat([past, new], dim=1)
 
 
+def host_block_causal_mask(num_positions: int, block_size: int, past_length: int) -> numpy.ndarray:
+    """`block_causal_mask` built on the host (numpy bool), for decoding: one copy to the device instead of a dozen
+    small ops. Position p's K slots see every earlier position's slots and, among its own, slots 0..k."""
+    earlier = numpy.tril(numpy.ones((num_positions, num_positions), dtype=bool), -1)
+    own = numpy.tril(numpy.ones((block_size, block_size), dtype=bool))
+    new = numpy.kron(earlier, numpy.ones((block_size, block_size), dtype=bool)) | numpy.kron(
+        numpy.eye(num_positions, dtype=bool), own
+    )
+    return numpy.concatenate([numpy.ones((new.shape[0], past_length), dtype=bool), new], axis=1)
+
+
 def followup_block_mask(
-    inherited: torch.BoolTensor, block_size: int, prefix_length: int
+    inherited: numpy.ndarray, block_size: int, prefix_length: int, device: torch.device | str
 ) -> torch.BoolTensor:
     """[B*K, prefix + T + B*K] visibility for B follow-up blocks drafted in one batch.
 
-    inherited: [B, T] which of the T drafting-time cache entries (block 1's and earlier rounds' slots) each block
-    sees. Every block also sees the committed prefix and slots 0..k of itself, never another new block.
+    inherited: [B, T] bool, which of the T drafting-time cache entries (block 1's and earlier rounds' slots) each
+    block sees. Every block also sees the committed prefix and slots 0..k of itself, never another new block.
+    Built on the host (where drafting chooses the blocks): one copy to `device`.
     """
-    num_blocks, device = inherited.shape[0], inherited.device
-    rows = inherited.repeat_interleave(block_size, dim=0)
-    prefix = torch.ones(rows.shape[0], prefix_length, dtype=torch.bool, device=device)
-    own = block_causal_mask(num_blocks, block_size, 0, device)
-    same_block = torch.block_diag(*[torch.ones(block_size, block_size, dtype=torch.bool, device=device)] * num_blocks)
-    return torch.cat([prefix, rows, own & same_block], dim=1)
+    num_blocks, num_inherited = inherited.shape
+    rows = num_blocks * block_size
+    mask = numpy.zeros((rows, prefix_length + num_inherited + rows), dtype=bool)
+    mask[:, :prefix_length] = True
+    mask[:, prefix_length : prefix_length + num_inherited] = inherited.repeat(block_size, axis=0)
+    own = host_block_causal_mask(1, block_size, 0)  # [K, K]: slots 0..k of the block itself
+    mask[:, prefix_length + num_inherited :] = numpy.kron(numpy.eye(num_blocks, dtype=bool), own)
+    return torch.from_numpy(mask).to(device)
 
 
 @dataclass
