@@ -8,7 +8,7 @@ import numpy
 import torch
 from transformers import DynamicCache
 
-from ...models.eagle3.modeling_eagle3 import Eagle3DraftModel
+from ...models.eagle3.modeling_eagle3 import Eagle3DraftModel, Eagle3Output
 from ..cache_utils import truncate_cache
 from ..tree import HostTree
 from .base import TreeCandidateGenerator, compiled_method
@@ -87,58 +87,77 @@ class Eagle3CandidateGenerator(TreeCandidateGenerator):
     def grow_tree(self, root_token: torch.LongTensor) -> HostTree:
         """The dynamic top-k tree from the last committed token, whose output `observe` computed (`draft_tree` prunes).
 
-        Grown on the host: each forward's top-k candidates are read back once (one sync per drafter forward), so
-        the frontier, the masks and the nodes cost no device op."""
+        Grown on the host: each forward's top-k candidates are read back once, so the frontier, the masks and the
+        nodes cost no device op. The first round runs before the root's candidates are read (nothing is to decide
+        before it: a tree of the root's children alone leaves room below them) and both are read together: one sync
+        per drafter forward, the `observe` forward included."""
         if self.root_output is None:
             raise RuntimeError("observe() must feed the committed context before draft_tree().")
         start = time.perf_counter()
         device, k = self.drafter.device, self.top_k
         tree = HostTree.root_only()
         logits, hidden = self.root_output
-        [(root_lp, root_ids)] = self._read_top_k(logits[None])
-        frontier = [tree.add_node(token, 0, lp) for token, lp in zip(root_ids, root_lp)]  # the root's children
+        max_rounds = min(self.depth, self.tree_budget - 1)
+        root_lp, root_ids = self._top_k(logits[None])  # [1, k] each, on the device
         frontier_hidden = hidden[None].expand(k, -1)  # every depth-1 node was produced by the root position
+        visible = numpy.eye(k, dtype=bool)  # each depth-1 node sees itself among this iteration's entries
+        positions = torch.full((k,), self.root_position + 1, device=device)
+        out = self._draft_round(frontier_hidden, root_ids[0], positions, visible) if max_rounds else None
+        tops = [(root_lp, root_ids)] + ([self._top_k(out.logits[0])] if out is not None else [])
+        root, *children_top = self._read(tops)
+        frontier = [tree.add_node(token, 0, lp) for lp, token in zip(*root[0])]  # the root's children
         if self.keep_producers:  # the root output: slot 0
             root_slots = torch.zeros(k, dtype=torch.long, device=device)
             self.note_producers(torch.tensor(frontier, device=device), frontier_hidden, root_slots)
-        frontier_visible = numpy.zeros((k, 0), dtype=bool)  # over this iteration's entries
         rounds = 0
-        for _ in range(min(self.depth, self.tree_budget - 1)):
-            if tree.room_below(max(tree.scores[node] for node in frontier), self.tree_budget) == 0:
-                break  # children score below their parents: none could survive pruning
+        while out is not None:
             rounds += 1
-            n = len(frontier)
-            # the committed cache, the frontier's ancestors' entries, then each node's own new entry
-            visible = numpy.concatenate([frontier_visible, numpy.eye(n, dtype=bool)], axis=1)
-            mask = numpy.concatenate([numpy.ones((n, self.committed_entries), dtype=bool), visible], axis=1)
-            inputs = torch.tensor([[tree.tokens[node] for node in frontier], [tree.depths[node] for node in frontier]])
-            inputs = inputs.to(device)
-            out = compiled_method(self.drafter, "draft_step")(
-                frontier_hidden[None],
-                inputs[0][None],
-                (self.root_position + inputs[1])[None],
-                torch.from_numpy(mask).to(device)[None],
-                self.cache,
-            )
-            self.stats.drafter_forwards += 1
             children = [  # parent-major: node i's children come from frontier state i
                 tree.add_node(token, parent, tree.scores[parent] + lp)
-                for parent, (child_lp, child_ids) in zip(frontier, self._read_top_k(out.logits[0]))
-                for token, lp in zip(child_ids, child_lp)
+                for parent, (child_lp, child_ids) in zip(frontier, children_top[0])
+                for lp, token in zip(child_lp, child_ids)
             ]
             if self.keep_producers:
                 self.note_producers(torch.tensor(children, device=device), out.hidden_states[0].repeat_interleave(k, 0))
             best = sorted(range(len(children)), key=lambda i: -tree.scores[children[i]])[:k]  # ties: older first
             frontier = [children[i] for i in best]
             frontier_hidden = out.hidden_states[0][torch.tensor([i // k for i in best], device=device)]
-            frontier_visible = visible[[i // k for i in best]]
+            if rounds == max_rounds or tree.room_below(max(tree.scores[n] for n in frontier), self.tree_budget) == 0:
+                break  # children score below their parents: none could survive pruning
+            # the frontier's ancestors' entries, then each node's own new entry
+            visible = numpy.concatenate([visible[[i // k for i in best]], numpy.eye(len(frontier), dtype=bool)], 1)
+            inputs = torch.tensor([[tree.tokens[n] for n in frontier], [tree.depths[n] for n in frontier]]).to(device)
+            out = self._draft_round(frontier_hidden, inputs[0], self.root_position + inputs[1], visible)
+            children_top = self._read([self._top_k(out.logits[0])])
         truncate_cache(self.cache, self.committed_entries)
         self.stats.blocks_per_iteration.append(rounds)
         self._account(start, forwards=0)
         return tree
 
-    def _read_top_k(self, logits: torch.Tensor) -> list[tuple[list[float], list[int]]]:
-        """[n, Vd] draft logits -> per row its top-k log-probs and their target-vocabulary ids, in ONE host read."""
+    def _draft_round(
+        self, hidden: torch.Tensor, tokens: torch.LongTensor, positions: torch.LongTensor, visible: numpy.ndarray
+    ) -> Eagle3Output:
+        """One drafter forward over the n frontier nodes (their producing states [n, H], tokens [n], rotary positions
+        [n]), each seeing the committed cache and `visible` [n, T] of this iteration's T drafter entries (its
+        ancestors' and its own, the last n)."""
+        mask = numpy.concatenate([numpy.ones((len(visible), self.committed_entries), dtype=bool), visible], axis=1)
+        out = compiled_method(self.drafter, "draft_step")(
+            hidden[None], tokens[None], positions[None], torch.from_numpy(mask).to(hidden.device)[None], self.cache
+        )
+        self.stats.drafter_forwards += 1
+        return out
+
+    def _top_k(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.LongTensor]:
+        """[n, Vd] draft logits -> per row its top-k log-probs and their target-vocabulary ids ([n, k] each)."""
         top_lp, top_ids = logits.float().log_softmax(-1).topk(self.top_k, dim=-1)
-        rows = torch.stack([top_lp.double(), self.drafter.d2t[top_ids].double()], dim=1).tolist()  # [n][2][k]
-        return [(lp, [int(t) for t in ids]) for lp, ids in rows]
+        return top_lp, self.drafter.d2t[top_ids]
+
+    @staticmethod
+    def _read(tops: list[tuple[torch.Tensor, torch.LongTensor]]) -> list[list[tuple[list[float], list[int]]]]:
+        """`_top_k` outputs -> per output, per row (log-probs, ids) on the host, all in ONE host read."""
+        rows = torch.cat([torch.stack([lp.double(), ids.double()], dim=1) for lp, ids in tops]).tolist()  # [n][2][k]
+        out, offset = [], 0
+        for lp, _ in tops:
+            out.append([(row_lp, [int(t) for t in row_ids]) for row_lp, row_ids in rows[offset : offset + lp.shape[0]]])
+            offset += lp.shape[0]
+        return out
