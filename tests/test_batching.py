@@ -7,6 +7,14 @@ import pytest
 import torch
 from scipy.stats import chisquare
 from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+from transformers.generation.stopping_criteria import (
+    EosTokenCriteria,
+    MaxLengthCriteria,
+    MaxTimeCriteria,
+    StoppingCriteria,
+    StoppingCriteriaList,
+    StopStringCriteria,
+)
 from transformers.generation.streamers import BaseStreamer
 
 from conftest import make_drafter, make_target
@@ -14,6 +22,7 @@ from deep_oracle import install_deep_oracle
 from test_greedy_exactness import letter_tokenizer
 from transformers_specblock import DFlashDraftModel, Eagle3DraftModel, LookupTreeModel
 from transformers_specblock.generation.budget import AutoBudget, TargetCost
+from transformers_specblock.generation.rows import host_stop_rule
 from transformers_specblock.generation.tree import DraftTree
 
 VOCAB = 24
@@ -122,6 +131,28 @@ def test_rows_finish_at_different_steps(one_thread, monkeypatch):
         assert len(set(lengths)) > 1, lengths  # the rows really finished at different steps
         batch_sizes = drafter.last_stats.target_forwards
         assert drafter.last_stats.iterations < batch_sizes * 4  # finished rows stopped being verified
+
+
+def test_the_host_stop_rule_answers_as_the_criteria_and_steps_aside_for_others():
+    """Max length, max time and EOS are answered on the host exactly as the criteria answer on the device (so a
+    greedy tree step reads nothing back for stopping); stop strings or a custom criterion keep the device path."""
+    criteria = StoppingCriteriaList([MaxLengthCriteria(12), EosTokenCriteria([3, 7]), MaxTimeCriteria(3600.0)])
+    rule = host_stop_rule(criteria)
+    generator = torch.Generator().manual_seed(0)
+    sequences = torch.randint(0, 10, (200, 14), generator=generator)
+    for sequence in sequences:
+        length = int(torch.randint(1, 15, (1,), generator=generator))
+        expected = bool(criteria(sequence[None, :length], None)[0])
+        assert rule(length, int(sequence[length - 1])) == expected
+    assert host_stop_rule(StoppingCriteriaList([MaxTimeCriteria(0.0, initial_timestamp=0.0)]))(1, 0)  # expired
+    tokenizer = letter_tokenizer(VOCAB)
+    assert host_stop_rule(StoppingCriteriaList([*criteria, StopStringCriteria(tokenizer, ["ab"])])) is None
+
+    class Custom(StoppingCriteria):
+        def __call__(self, input_ids, scores, **kwargs):
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool)
+
+    assert host_stop_rule(StoppingCriteriaList([*criteria, Custom()])) is None
 
 
 @pytest.mark.parametrize(

@@ -29,10 +29,10 @@ NEW_TOKENS = 24
 # 104-111 ops for the drafters, 86 for lookup.
 BOUNDS = {
     "plain": (0, 26, 0, 1.1, 0),
-    "specblock": (610, 80, 2, 2.3, 2.0),
-    "eagle3": (285, 78, 1, 2.3, 2.0),
-    "lookup_tree": (8.5, 64, 0.1, 1.6, 0),
-    "dflash": (242, 80, 1, 2.3, 1.0),
+    "specblock": (610, 70, 2, 1.25, 2.0),
+    "eagle3": (285, 68, 1, 1.25, 2.0),
+    "lookup_tree": (8.5, 60, 0.1, 1.25, 0),
+    "dflash": (242, 70, 1, 1.25, 1.0),
 }
 
 

@@ -9,19 +9,22 @@ from .tree import DraftTree
 from .tree_batch import TreeBatch
 
 
-def greedy_accept_rows(trees: TreeBatch, processed: torch.Tensor) -> tuple[list[list[int]], torch.LongTensor]:
+def greedy_accept_rows(
+    trees: TreeBatch, processed: torch.Tensor
+) -> tuple[list[list[int]], torch.LongTensor, list[int] | None]:
     """Every row's longest root path whose tokens equal the target's argmax: the picks of the whole batch are read
     back once, then each row's path is walked down its tree's host copy (siblings hold distinct tokens, so a pick
     names at most one child).
 
     processed: [B, N+1, V]. Returns each row's kept nodes (root first, then the accepted nodes by depth) and the
-    bonus tokens [B] (the target's pick after each row's last kept node).
+    bonus tokens [B] (the target's pick after each row's last kept node), on the device and, where they were read
+    back, on the host (None for a batch of roots alone, which reads nothing).
     """
     # [B, N+1] the target's pick after each node: `max` returns the first maximal index as argmax does, at half the
     # time of argmax on a CPU (and on bfloat16 rows as fast as on float32 ones)
     choice = processed.max(-1).indices.to(trees.tokens.device)
     if trees.size == 1:  # roots alone: nothing to accept, the pick is the bonus (no read)
-        return [[0]] * trees.tokens.shape[0], choice[:, 0]
+        return [[0]] * trees.tokens.shape[0], choice[:, 0], None
     picks = choice.tolist()  # the one host read
     kept, bonus = [], []
     for row, tree in enumerate(trees.trees):
@@ -33,12 +36,12 @@ def greedy_accept_rows(trees: TreeBatch, processed: torch.Tensor) -> tuple[list[
                 path.append(child)
         kept.append(path)
         bonus.append(picks[row][path[-1]])
-    return kept, torch.tensor(bonus, device=trees.tokens.device)
+    return kept, torch.tensor(bonus, device=trees.tokens.device), bonus
 
 
 def greedy_accept(tree: DraftTree, processed: torch.Tensor) -> tuple[torch.LongTensor, torch.LongTensor]:
     """One tree (processed [N+1, V]): the accepted node ids (root excluded) and the bonus token [1]."""
-    kept, bonus = greedy_accept_rows(TreeBatch.pad([tree]), processed[None])
+    kept, bonus, _ = greedy_accept_rows(TreeBatch.pad([tree]), processed[None])
     return torch.tensor(kept[0][1:], dtype=torch.long, device=tree.tokens.device), bonus
 
 

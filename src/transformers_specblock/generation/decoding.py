@@ -29,7 +29,7 @@ from .budget import PLAIN, AutoBudget, auto_budget_for
 from .cache_utils import compact_cache, full_attention_cache, repack_cache
 from .candidate_generators import TreeCandidateGenerator, get_candidate_generator
 from .logits_process import TreeLogitsProcessor
-from .rows import Row, batch_output, commit, record
+from .rows import HostStopRule, Row, batch_output, commit, host_stop_rule, record
 from .tree import DraftTree
 from .tree_batch import TreeBatch, kept_index
 from .verification import target_features, verify_trees
@@ -161,6 +161,7 @@ def tree_speculative_decoding(
         full_attention_cache(model, model_kwargs["past_key_values"], generation_config, generators[0].tree_budget),
         auto_budget, adapter, drafts_ever,
         feature_layers=drafter.config.feature_layers if generators[0].reads_features and drafts_ever else [],
+        host_stop_rule=host_stop_rule(stopping_criteria),
     )  # fmt: skip
     started = time.perf_counter()
 
@@ -220,6 +221,7 @@ class _Loop:
     feature_layers: list[int] = field(default_factory=list)
     stats: SpecBlockStats = field(default_factory=SpecBlockStats)
     verified_size: int = 0  # drafted nodes per row the last step verified (its padded trees')
+    host_stop_rule: HostStopRule | None = None  # the stopping criteria answered on the host, where they allow it
 
     def prefill(
         self, input_ids: torch.LongTensor, mask_2d: torch.Tensor | None, generators: list[TreeCandidateGenerator]
@@ -293,12 +295,16 @@ class _Loop:
             for i, (row, tree) in enumerate(zip(live, trees)):
                 processed[i, : len(tree)] = self.tree_processor(row.sequence[None], raw[i, : len(tree)], tree, row.index)
         # accept
+        host_tokens = None  # each row's new tokens, where the host knows them (then `commit` reads nothing back)
         if self.generation_config.do_sample:
             paths = [sample_accept(tree, processed[i, : len(tree)]) for i, tree in enumerate(trees)]
             kept = [[0] + path.tolist() for path, _ in paths]
             bonus = torch.cat([b for _, b in paths])
         else:
-            kept, bonus = greedy_accept_rows(batch, processed)
+            kept, bonus, host_bonus = greedy_accept_rows(batch, processed)
+            if host_bonus is not None:
+                host_tokens = [[tree.host().tokens[node] for node in nodes[1:]] + [token] if len(nodes) > 1 else [token]
+                               for tree, nodes, token in zip(trees, kept, host_bonus)]  # fmt: skip
         # compact
         holds = compact_cache(self.cache, past_length, kept)
         visible = torch.cat([visible, holds.to(device)], dim=1)
@@ -318,7 +324,7 @@ class _Loop:
         self.stats.nodes_per_iteration += [tree.num_drafted for tree in trees]
         self.stats.accepted_per_iteration += lengths
         counts = commit(live, [new_tokens[i, :n] for i, n in enumerate(lengths)], list(kept_scores),
-                        self.stopping_criteria)  # fmt: skip
+                        self.stopping_criteria, host_tokens, self.host_stop_rule)  # fmt: skip
         for i, (row, n, count) in enumerate(zip(live, lengths, counts)):
             record(row, self.generation_config, kept_scores[i], kept_raw[i], count)
             row.hidden += holds.shape[1] - n

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import time
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 from transformers import DynamicCache, GenerationConfig, StoppingCriteriaList
 from transformers.generation import GenerateDecoderOnlyOutput
+from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria, MaxTimeCriteria
 
 from .candidate_generators import TreeCandidateGenerator
 
@@ -38,21 +41,61 @@ class Row:
         return self.sequence[self.left_padding :]
 
 
+HostStopRule = Callable[[int, int], bool]
+"""(sequence length, its last token) -> whether generation stops there."""
+
+_HOST_CRITERIA = (MaxLengthCriteria, MaxTimeCriteria, EosTokenCriteria)
+
+
+def host_stop_rule(stopping_criteria: StoppingCriteriaList) -> HostStopRule | None:
+    """The stopping criteria as a host rule where each of them is one the host can answer from a sequence's length,
+    its last token and the clock (transformers' max length, max time and EOS criteria: what `generate` builds unless
+    stop strings or custom criteria are passed); else None, and they run on the device. Reads the EOS ids once."""
+    if not all(type(criterion) in _HOST_CRITERIA for criterion in stopping_criteria):
+        return None
+    max_lengths = [c.max_length for c in stopping_criteria if type(c) is MaxLengthCriteria]
+    timers = [c for c in stopping_criteria if type(c) is MaxTimeCriteria]
+    eos = {int(t) for c in stopping_criteria if type(c) is EosTokenCriteria for t in c.eos_token_id.reshape(-1).tolist()}
+
+    def stops(length: int, token: int) -> bool:
+        return (
+            any(length >= limit for limit in max_lengths)
+            or token in eos
+            or any(time.time() - timer.initial_timestamp > timer.max_time for timer in timers)
+        )
+
+    return stops
+
+
 def commit(
     rows: list[Row],
     new_tokens: list[torch.LongTensor],
     processed: list[torch.Tensor],
     stopping_criteria: StoppingCriteriaList,
+    host_tokens: list[list[int]] | None = None,
+    host_rule: HostStopRule | None = None,
 ) -> list[int]:
     """Append each row's accepted tokens [n_r], stopping a row at the first token a stopping criterion fires on.
 
-    The criteria see [g, T] sequences: rows of equal length are asked together, once per token position, and all
-    their answers are read back at once, with the new tokens (one host read per step: each row's generator gets
-    its tokens, `TreeCandidateGenerator.commit_tokens`). processed: each row's [n_r, V] scores. Returns how many
-    tokens each row kept; sets `Row.done`."""
+    Where the new tokens are known on the host (`host_tokens`, as greedy acceptance has them) and the criteria have a
+    `host_rule`, the rule decides and nothing is read back. Otherwise the criteria see [g, T] sequences: rows of
+    equal length are asked together, once per token position, and all their answers are read back at once, with
+    the new tokens (one host read per step). Each row's generator gets its tokens
+    (`TreeCandidateGenerator.commit_tokens`). processed: each row's [n_r, V] scores. Returns how many tokens each row
+    kept; sets `Row.done`."""
     new_tokens = [new.to(row.sequence.device) for row, new in zip(rows, new_tokens)]
     extended = [torch.cat([row.sequence, new]) for row, new in zip(rows, new_tokens)]
     kept = [new.numel() for new in new_tokens]
+    if host_tokens is not None and host_rule is not None:
+        for r, (row, tokens) in enumerate(zip(rows, host_tokens)):
+            length = row.sequence.numel()
+            stop = next((i for i, token in enumerate(tokens) if host_rule(length + i + 1, token)), None)
+            if stop is not None:
+                kept[r], row.done = stop + 1, True
+        for row, sequence, count, tokens in zip(rows, extended, kept, host_tokens):
+            row.sequence = sequence[: row.sequence.numel() + count]
+            row.generator.commit_tokens(tokens, count)
+        return kept
     offsets = [sum(kept[:r]) for r in range(len(rows) + 1)]  # each row's tokens in the host read
     asked: list[tuple[int, list[int]]] = []  # (token position, rows asked together)
     answers = []
