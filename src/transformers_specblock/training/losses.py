@@ -233,7 +233,7 @@ def followup_training_mask(
 
     ``increments[c]`` = M of the block started from block c (it inherits slot M-1). Slot k of position i sees
     block 1's slots of positions < i, slots 0..M-1 of every earlier block at position i (the chain it extends), and
-    its own slots 0..k, as `tree.followup_block_mask` does at inference.
+    its own slots 0..k, as `followup_block_mask` does at inference.
     """
     pos = torch.arange(num_positions, device=device).repeat_interleave(block_size)
     slot = torch.arange(block_size, device=device).repeat(num_positions)
