@@ -6,7 +6,17 @@ import statistics
 from collections import deque
 from typing import Any
 
+import numpy
 import torch
+
+
+def to_device(host: numpy.ndarray | list, device: torch.device | str) -> torch.Tensor:
+    """Host data (a numpy array or a list) on `device` without waiting for the device: on a GPU a blocking copy
+    synchronises the stream (PyTorch waits for the copy and so for all queued work), while a non-blocking copy from
+    pageable memory is staged by the driver before it returns (the host buffer may go at once) and waits for nothing.
+    On a CPU it is the tensor itself."""
+    tensor = torch.from_numpy(host) if isinstance(host, numpy.ndarray) else torch.tensor(host)
+    return tensor.to(device, non_blocking=True)
 
 
 def sync(device: torch.device) -> None:

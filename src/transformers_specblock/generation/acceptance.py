@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from ..utils import to_device
 from .tree import DraftTree
 from .tree_batch import TreeBatch
 
@@ -36,7 +37,7 @@ def greedy_accept_rows(
                 path.append(child)
         kept.append(path)
         bonus.append(picks[row][path[-1]])
-    return kept, torch.tensor(bonus, device=trees.tokens.device), bonus
+    return kept, to_device(bonus, trees.tokens.device), bonus
 
 
 def greedy_accept(tree: DraftTree, processed: torch.Tensor) -> tuple[torch.LongTensor, torch.LongTensor]:

@@ -22,7 +22,7 @@ from transformers.generation.streamers import BaseStreamer
 
 from ..models.tree_drafter.configuration_tree_drafter import AUTO, TreeDrafterConfig
 from ..models.tree_drafter.modeling_tree_drafter import TreeDraftModel
-from ..utils import sync
+from ..utils import sync, to_device
 from .acceptance import greedy_accept_rows, kept_rows, sample_accept
 from .adaptation import OnlineAdapter, online_adapter_for
 from .budget import PLAIN, AutoBudget, auto_budget_for
@@ -283,7 +283,7 @@ class _Loop:
         sync(device)
         target_start = time.perf_counter()
         past_length = self.cache.get_seq_length()
-        positions = torch.tensor([row.next_position for row in live])
+        positions = to_device([row.next_position for row in live], device)
         result = verify_trees(self.model, batch, self.cache, visible, positions, self.feature_layers)
         # [B, N+1, V]: a greedy step without processors picks from the target's own logits (a float32 copy of every
         # node's row would cost as much as the pick); the kept rows become float32 scores below
@@ -314,7 +314,7 @@ class _Loop:
         # every row's kept nodes as one [B, K] index (root first; a shorter row repeats its last node)
         index = kept_index(kept, batch.tokens.device)
         lengths = [len(nodes) for nodes in kept]
-        last = torch.tensor(lengths, device=index.device)[:, None] - 1
+        last = to_device(lengths, index.device)[:, None] - 1
         new_tokens = torch.cat([batch.tokens.gather(1, index)[:, 1:], bonus[:, None]], 1).scatter_(1, last, bonus[:, None])
         kept_scores, kept_raw = kept_rows(kept, index, processed, raw, self.generation_config.output_logits)
         if budget > 0 or (budget == 0 and any(row.generator.free_candidates is not None for row in live)):

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import numpy
 import torch
 
-from ..utils import additive_mask
+from ..utils import additive_mask, to_device
 
 UNKNOWN_ROOT = -1
 """A host tree's root token where only the device knows it (a drafter's tree: its root is the last committed token)."""
@@ -68,7 +68,7 @@ class DraftTree:
             tokens = torch.tensor([token], dtype=torch.long, device=device)
         return cls(
             tokens=tokens,
-            parents=torch.tensor([-1], dtype=torch.long, device=device),
+            parents=torch.full((1,), -1, dtype=torch.long, device=device),
             depths=torch.zeros(1, dtype=torch.long, device=device),
             scores=torch.zeros(1, dtype=torch.float32, device=device),
             depth_bound=0,
@@ -339,7 +339,7 @@ class HostTree:
         table[:4] = [self.tokens, self.parents, self.depths, self.sources]
         table[4] = numpy.asarray(self.scores, dtype=numpy.float32).view(numpy.int32)
         table[5:] = self.ancestor_matrix()
-        table = torch.from_numpy(table).to(device)
+        table = to_device(table, device)
         tokens, parents, depths, sources, score_bits = table[:5].unbind()
         if root is not None:
             tokens = torch.cat([root.reshape(1).to(tokens), tokens[1:]])

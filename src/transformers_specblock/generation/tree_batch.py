@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..utils import additive_mask
+from ..utils import additive_mask, to_device
 from .tree import DraftTree
 
 
@@ -74,4 +74,4 @@ class TreeBatch:
 def kept_index(kept: list[list[int]], device: torch.device | str = "cpu") -> torch.LongTensor:
     """[B, K] each row's kept nodes (K = the longest row; a shorter row repeats its last node)."""
     width = max(len(nodes) for nodes in kept)
-    return torch.tensor([nodes + nodes[-1:] * (width - len(nodes)) for nodes in kept], device=device)
+    return to_device([nodes + nodes[-1:] * (width - len(nodes)) for nodes in kept], device)

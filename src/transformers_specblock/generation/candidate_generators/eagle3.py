@@ -9,6 +9,7 @@ import torch
 from transformers import DynamicCache
 
 from ...models.eagle3.modeling_eagle3 import Eagle3DraftModel, Eagle3Output
+from ...utils import to_device
 from ..cache_utils import truncate_cache
 from ..tree import HostTree
 from .base import TreeCandidateGenerator, compiled_method
@@ -74,7 +75,7 @@ class Eagle3CandidateGenerator(TreeCandidateGenerator):
             self.drafter.fuse_features(target_features)[None],
             next_tokens.to(device)[None],
             positions,
-            torch.from_numpy(mask).to(device)[None],
+            to_device(mask, device)[None],
             self.cache,
             logits_to_keep=1,
         )
@@ -121,12 +122,12 @@ class Eagle3CandidateGenerator(TreeCandidateGenerator):
                 self.note_producers(torch.tensor(children, device=device), out.hidden_states[0].repeat_interleave(k, 0))
             best = sorted(range(len(children)), key=lambda i: -tree.scores[children[i]])[:k]  # ties: older first
             frontier = [children[i] for i in best]
-            frontier_hidden = out.hidden_states[0][torch.tensor([i // k for i in best], device=device)]
+            frontier_hidden = out.hidden_states[0][to_device([i // k for i in best], device)]
             if rounds == max_rounds or tree.room_below(max(tree.scores[n] for n in frontier), self.tree_budget) == 0:
                 break  # children score below their parents: none could survive pruning
             # the frontier's ancestors' entries, then each node's own new entry
             visible = numpy.concatenate([visible[[i // k for i in best]], numpy.eye(len(frontier), dtype=bool)], 1)
-            inputs = torch.tensor([[tree.tokens[n] for n in frontier], [tree.depths[n] for n in frontier]]).to(device)
+            inputs = to_device([[tree.tokens[n] for n in frontier], [tree.depths[n] for n in frontier]], device)
             out = self._draft_round(frontier_hidden, inputs[0], self.root_position + inputs[1], visible)
             children_top = self._read([self._top_k(out.logits[0])])
         truncate_cache(self.cache, self.committed_entries)
@@ -142,7 +143,7 @@ class Eagle3CandidateGenerator(TreeCandidateGenerator):
         ancestors' and its own, the last n)."""
         mask = numpy.concatenate([numpy.ones((len(visible), self.committed_entries), dtype=bool), visible], axis=1)
         out = compiled_method(self.drafter, "draft_step")(
-            hidden[None], tokens[None], positions[None], torch.from_numpy(mask).to(hidden.device)[None], self.cache
+            hidden[None], tokens[None], positions[None], to_device(mask, hidden.device)[None], self.cache
         )
         self.stats.drafter_forwards += 1
         return out

@@ -10,6 +10,7 @@ import torch
 from transformers import DynamicCache
 
 from ...models.specblock.modeling_specblock import SpecBlockDraftModel, followup_block_mask, host_block_causal_mask
+from ...utils import to_device
 from ..cache_utils import truncate_cache
 from ..tree import HostTree
 from .base import TreeCandidateGenerator, compiled_method
@@ -85,7 +86,7 @@ class SpecBlockCandidateGenerator(TreeCandidateGenerator):
         """One drafter forward appending K slot entries per position to the drafter cache; the head runs on the last
         position only (the one whose block 1 starts the next tree)."""
         num_pos, device = next_tokens.shape[0], self.drafter.device
-        mask = torch.from_numpy(host_block_causal_mask(num_pos, self.block_size, self.committed_entries)).to(device)
+        mask = to_device(host_block_causal_mask(num_pos, self.block_size, self.committed_entries), device)
         positions = torch.arange(first_position, first_position + num_pos, device=device)[None]
         out = compiled_method(self.drafter, "draft_blocks")(
             self.drafter.project_condition(target_features)[None],
@@ -136,9 +137,8 @@ class SpecBlockCandidateGenerator(TreeCandidateGenerator):
                 inherited[row, rnd.entry_offsets[block] : rnd.entry_offsets[block] + slot + 1] = True
             start_nodes = [node for node, _, _, _ in chosen]
             device = self.drafter.device
-            flat = torch.tensor([block * parent_slots + slot for _, block, slot, _ in chosen], device=device)
-            inputs = torch.tensor([[tree.tokens[n] for n in start_nodes], [tree.depths[n] for n in start_nodes]])
-            inputs = inputs.to(device)
+            flat = to_device([block * parent_slots + slot for _, block, slot, _ in chosen], device)
+            inputs = to_device([[tree.tokens[n] for n in start_nodes], [tree.depths[n] for n in start_nodes]], device)
             mask = followup_block_mask(inherited, num_slots, self.committed_entries - k_slots, device)
             out = compiled_method(self.drafter, "draft_blocks")(
                 rnd.hidden.flatten(0, 1)[flat][None],

@@ -13,7 +13,7 @@ from transformers.cache_utils import Cache
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm, LlamaRotaryEmbedding
 from transformers.utils import ModelOutput
 
-from ...utils import additive_mask
+from ...utils import additive_mask, to_device
 from ..tree_drafter.checkpoint_io import PublishedCheckpointMixin
 from ..tree_drafter.modeling_tree_drafter import TreeDraftModel
 from .configuration_specblock import SpecBlockConfig
@@ -61,7 +61,7 @@ def followup_block_mask(
     mask[:, prefix_length : prefix_length + num_inherited] = inherited.repeat(block_size, axis=0)
     own = host_block_causal_mask(1, block_size, 0)  # [K, K]: slots 0..k of the block itself
     mask[:, prefix_length + num_inherited :] = numpy.kron(numpy.eye(num_blocks, dtype=bool), own)
-    return torch.from_numpy(mask).to(device)
+    return to_device(mask, device)
 
 
 @dataclass
