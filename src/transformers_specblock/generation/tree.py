@@ -183,15 +183,6 @@ class DraftTree:
             jump = jump[jump]
         return capped
 
-    def room_below(self, scores: torch.Tensor, budget: int) -> torch.LongTensor:
-        """[M] for new nodes scoring at most `scores` [M] (each a chain start), how many of them `prune(budget)`
-        could keep: `budget` minus the drafted nodes already ranking at or above that score (a tie goes to the older
-        node), at least 0. A chain's j-th node needs its j ancestors kept too, so only its first `room` nodes can
-        survive; merging free candidates later only raises or adds scores, never lowers one. A drafter drafts no
-        deeper than that, and the pruned tree stays the same."""
-        above = (self.path_scores()[1:][None, :] >= scores.reshape(-1, 1)).sum(dim=1)
-        return (budget - above).clamp(min=0)
-
     def pruning_order(self) -> torch.LongTensor:
         """[N+1] node ids best first (root first): descending `path_scores`, ties in node order. Every node comes
         after all its ancestors, so every prefix of this order is a tree (what `prune` keeps)."""
@@ -307,7 +298,11 @@ class HostTree:
         return sorted(range(len(self)), key=lambda i: -capped[i])
 
     def room_below(self, score: float, budget: int) -> int:
-        """As `DraftTree.room_below`, for one score."""
+        """For new nodes scoring at most `score` (each a chain start), how many of them `prune(budget)` could keep:
+        `budget` minus the drafted nodes already ranking at or above that score (a tie goes to the older node), at
+        least 0. A chain's j-th node needs its j ancestors kept too, so only its first `room` nodes can survive;
+        merging free candidates later only raises or adds scores, never lowers one. A drafter drafts no deeper than
+        that, and the pruned tree stays the same."""
         return max(0, budget - sum(1 for s in self.path_scores()[1:] if s >= score))
 
     def prune(self, budget: int) -> "HostTree":
