@@ -55,7 +55,8 @@ def host_stop_rule(stopping_criteria: StoppingCriteriaList) -> HostStopRule | No
         return None
     max_lengths = [c.max_length for c in stopping_criteria if type(c) is MaxLengthCriteria]
     timers = [c for c in stopping_criteria if type(c) is MaxTimeCriteria]
-    eos = {int(t) for c in stopping_criteria if type(c) is EosTokenCriteria for t in c.eos_token_id.reshape(-1).tolist()}
+    eos_criteria = [c for c in stopping_criteria if type(c) is EosTokenCriteria]
+    eos = {int(t) for c in eos_criteria for t in c.eos_token_id.reshape(-1).tolist()}
 
     def stops(length: int, token: int) -> bool:
         return (
@@ -85,17 +86,34 @@ def commit(
     kept; sets `Row.done`."""
     new_tokens = [new.to(row.sequence.device) for row, new in zip(rows, new_tokens)]
     extended = [torch.cat([row.sequence, new]) for row, new in zip(rows, new_tokens)]
-    kept = [new.numel() for new in new_tokens]
     if host_tokens is not None and host_rule is not None:
-        for r, (row, tokens) in enumerate(zip(rows, host_tokens)):
-            length = row.sequence.numel()
-            stop = next((i for i, token in enumerate(tokens) if host_rule(length + i + 1, token)), None)
-            if stop is not None:
-                kept[r], row.done = stop + 1, True
-        for row, sequence, count, tokens in zip(rows, extended, kept, host_tokens):
-            row.sequence = sequence[: row.sequence.numel() + count]
-            row.generator.commit_tokens(tokens, count)
-        return kept
+        kept = _stops_on_host(rows, host_tokens, host_rule)
+    else:
+        kept, host_tokens = _stops_on_device(rows, new_tokens, extended, processed, stopping_criteria)
+    for row, sequence, count, tokens in zip(rows, extended, kept, host_tokens):
+        row.sequence = sequence[: row.sequence.numel() + count]
+        row.generator.commit_tokens(tokens, count)
+    return kept
+
+
+def _stops_on_host(rows: list[Row], host_tokens: list[list[int]], host_rule: HostStopRule) -> list[int]:
+    """How many of its new tokens each row keeps, the rule asked per token (no device read); sets `Row.done`."""
+    kept = [len(tokens) for tokens in host_tokens]
+    for r, (row, tokens) in enumerate(zip(rows, host_tokens)):
+        length = row.sequence.numel()
+        stop = next((i for i, token in enumerate(tokens) if host_rule(length + i + 1, token)), None)
+        if stop is not None:
+            kept[r], row.done = stop + 1, True
+    return kept
+
+
+def _stops_on_device(
+    rows: list[Row], new_tokens: list[torch.LongTensor], extended: list[torch.LongTensor],
+    processed: list[torch.Tensor], stopping_criteria: StoppingCriteriaList,
+) -> tuple[list[int], list[list[int]]]:  # fmt: skip
+    """How many of its new tokens each row keeps, the criteria asked on the device ([g, T] sequences of equal length
+    together, per token position), with every row's new tokens: all read back at once. Sets `Row.done`."""
+    kept = [new.numel() for new in new_tokens]
     offsets = [sum(kept[:r]) for r in range(len(rows) + 1)]  # each row's tokens in the host read
     asked: list[tuple[int, list[int]]] = []  # (token position, rows asked together)
     answers = []
@@ -116,10 +134,7 @@ def commit(
         for r in members:
             if next(flags) and not rows[r].done:
                 kept[r], rows[r].done = i + 1, True
-    for r, (row, sequence, count) in enumerate(zip(rows, extended, kept)):
-        row.sequence = sequence[: row.sequence.numel() + count]
-        row.generator.commit_tokens(tokens[offsets[r] : offsets[r + 1]], count)
-    return kept
+    return kept, [tokens[offsets[r] : offsets[r + 1]] for r in range(len(rows))]
 
 
 def record(row: Row, generation_config: GenerationConfig, processed: torch.Tensor, raw: torch.Tensor, count: int):

@@ -297,13 +297,14 @@ class HostTree:
         capped[0] = float("inf")
         return sorted(range(len(self)), key=lambda i: -capped[i])
 
-    def room_below(self, score: float, budget: int) -> int:
-        """For new nodes scoring at most `score` (each a chain start), how many of them `prune(budget)` could keep:
+    def room_below(self, scores: list[float], budget: int) -> list[int]:
+        """For new nodes scoring at most each of `scores` (each a chain start), how many `prune(budget)` could keep:
         `budget` minus the drafted nodes already ranking at or above that score (a tie goes to the older node), at
         least 0. A chain's j-th node needs its j ancestors kept too, so only its first `room` nodes can survive;
         merging free candidates later only raises or adds scores, never lowers one. A drafter drafts no deeper than
         that, and the pruned tree stays the same."""
-        return max(0, budget - sum(1 for s in self.path_scores()[1:] if s >= score))
+        drafted = self.path_scores()[1:]
+        return [max(0, budget - sum(1 for s in drafted if s >= score)) for score in scores]
 
     def prune(self, budget: int) -> "HostTree":
         """As `DraftTree.prune`: the root and the `budget` drafted nodes of the best path scores (the minimum score

@@ -127,32 +127,24 @@ class TreeCandidateGenerator(CandidateGenerator):
         is the rotary position of next_tokens[0]."""
         raise NotImplementedError
 
-    def grow_tree(self, root_token: torch.LongTensor) -> DraftTree | HostTree:
-        """The drafter's tree rooted at the last committed token `root_token` ([1], on the device: no host read);
-        a `HostTree` (root token `UNKNOWN_ROOT`) where the drafter grows it on the host."""
+    def grow_tree(self, root_token: torch.LongTensor) -> HostTree:
+        """The drafter's tree rooted at the last committed token `root_token` ([1], on the device: no host read),
+        grown on the host (its root token `UNKNOWN_ROOT` there)."""
         raise NotImplementedError
 
     def draft_tree(self, sequence: torch.LongTensor, with_drafter: bool = True) -> DraftTree:
         """The drafter's tree for the committed tokens `sequence` [T] (the last one is the root), with the free
         candidates merged in, pruned to `tree_budget` drafted nodes; without the drafter (or where `grow_tree` does
-        not draft), the free candidates alone, built on the host (`_free_tree`). Under tree_budget="auto", a suffix-cache chain following one the target accepted whole
-        may go past the budget (up to the largest candidate): a long copy keeps being verified long."""
+        not draft), the free candidates alone, built on the host (`_free_tree`), or the root alone. Under
+        tree_budget="auto", a suffix-cache chain following one the target accepted whole may go past the budget (up
+        to the largest candidate): a long copy keeps being verified long."""
         self.producers = []
-        with_drafter = with_drafter and self.grows_trees
-        if self.free_candidates is not None and not with_drafter:
+        if not (with_drafter and self.grows_trees):
             self.drafted = None
-            return self._free_tree(sequence)
-        root = sequence[-1:]
-        tree = self.grow_tree(root) if with_drafter else DraftTree.root_only(root, self.drafter.device)
-        if isinstance(tree, HostTree):  # grown on the host: merged and pruned there, then one copy to the device
-            return self._finish_host_tree(tree, sequence)
-        self.drafted = tree if self.keep_producers and with_drafter else None
-        if self.free_candidates is None:
-            return tree.prune(self.tree_budget)
-        start = time.perf_counter()
-        self.free_candidates.add_to(tree, self.free_candidates.follow(sequence))
-        self._account(start, forwards=0)
-        return tree.prune(self._free_budget())
+            if self.free_candidates is not None:
+                return self._free_tree(sequence)
+            return DraftTree.root_only(sequence[-1:], self.drafter.device)
+        return self._finish_host_tree(self.grow_tree(sequence[-1:]), sequence)
 
     def _finish_host_tree(self, tree: HostTree, sequence: torch.LongTensor) -> DraftTree:
         """A drafter's host-grown tree with the free candidates merged in, pruned, on the device (one copy)."""

@@ -123,7 +123,8 @@ class Eagle3CandidateGenerator(TreeCandidateGenerator):
             best = sorted(range(len(children)), key=lambda i: -tree.scores[children[i]])[:k]  # ties: older first
             frontier = [children[i] for i in best]
             frontier_hidden = out.hidden_states[0][to_device([i // k for i in best], device)]
-            if rounds == max_rounds or tree.room_below(max(tree.scores[n] for n in frontier), self.tree_budget) == 0:
+            best_score = max(tree.scores[node] for node in frontier)
+            if rounds == max_rounds or tree.room_below([best_score], self.tree_budget) == [0]:
                 break  # children score below their parents: none could survive pruning
             # the frontier's ancestors' entries, then each node's own new entry
             visible = numpy.concatenate([visible[[i // k for i in best]], numpy.eye(len(frontier), dtype=bool)], 1)

@@ -125,7 +125,7 @@ class SpecBlockCandidateGenerator(TreeCandidateGenerator):
             # slots, that could survive pruning to the budget (the pruned tree is the same, the forward cheaper).
             # The room falls as the score does, so those blocks are a prefix of the best leaves.
             leaves = sorted((n for n in nodes if n[3]), key=lambda n: -tree.scores[n[0]])[: self.max_followups]
-            rooms = [tree.room_below(tree.scores[n[0]], self.tree_budget) for n in leaves]
+            rooms = tree.room_below([tree.scores[node] for node, _, _, _ in leaves], self.tree_budget)
             chosen = [leaf for leaf, room in zip(leaves, rooms) if room > 0]
             if not chosen:
                 break
