@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from conftest import make_drafter, make_target
+from transformers_specblock import LookupTreeModel
 from transformers_specblock.generation import CANDIDATE_GENERATOR_MAPPING
 from transformers_specblock.generation.budget import PLAIN, AutoBudget, TargetCost, auto_budget_for, best_budget
 from transformers_specblock.generation.tree import DraftTree
@@ -383,3 +384,61 @@ def test_speculating_must_promise_the_minimum_gain_over_plain_decoding():
     assert auto_budget_for(make_drafter(target, tree_budget="auto"), target).min_gain == 0.05  # the config's
     with pytest.raises(ValueError, match="auto_budget_min_gain"):
         make_drafter(target, tree_budget="auto", auto_budget_min_gain=-0.1)
+
+
+def _drafter_and_lookup_tree() -> DraftTree:
+    """The drafter's chain 5 -> 6 -> 9 -> 10 (nodes 1-4) with prompt lookup's 5 -> 7 merged in (node 1 proposed by
+    both, node 5 by the lookup alone)."""
+    tree = DraftTree.root_only(0)
+    tree.add_nodes(torch.tensor([5, 6, 9, 10]), torch.tensor([0, 1, 2, 3]), torch.tensor([1, 2, 3, 4]),
+                   torch.tensor([-0.1, -0.2, -0.3, -0.4]))  # fmt: skip
+    tree.merge_chain([5, 7], [-0.1, -0.5], "prompt_lookup")
+    return tree
+
+
+def test_drafted_trees_tell_what_their_free_candidates_alone_would_have_committed():
+    """A drafted tree that merged free candidates also measures budget 0 (their tree alone: the accepted path up to
+    its first node no free source proposed), so where a larger batch makes the drafter's trees too dear the chooser
+    falls to the free candidates' trees, not to plain steps it would pick knowing nothing of them."""
+    tree = _drafter_and_lookup_tree()
+    assert tree.host().sources[1] == 1 | 2 and tree.host().sources[5] == 2
+    costs = {1: TargetCost([0, 8], [0.10, 0.12]), 2: TargetCost([0, 8], [0.15, 0.30]),
+             4: TargetCost([0, 8], [0.20, 0.80])}  # fmt: skip
+
+    def chooser_after_drafting(with_free_part: bool) -> AutoBudget:
+        chooser = AutoBudget([0, 8], costs[1], warmup=0, free_at_zero=True, min_gain=0.05, measure=costs.__getitem__)
+        for _ in range(8):  # the drafter's chain is accepted whole: 5 tokens per tree; its free part takes 1 node
+            chooser.observe(tree, [1, 2, 3, 4], drafting_seconds=0.1, budget=8)
+            if with_free_part:
+                chooser.observe_free_part(tree, [1, 2, 3, 4])
+        return chooser
+
+    chooser = chooser_after_drafting(with_free_part=True)
+    assert chooser.estimates() == {0: 2.0, 8: 5.0} and chooser.free_size.mean(chooser.clock) == 2.0
+    chooser.set_batch_size(1)
+    assert chooser.choose() == 8  # 5 / (0.1125 + 0.1) beats 2 / 0.105 and 1.05 / 0.10
+    chooser.set_batch_size(4)
+    assert chooser.choose() == 0  # drafting 4 x 0.1: 2 / 0.275 beats 5 / (0.575 + 0.4) and 1.05 / 0.20
+    unaware = chooser_after_drafting(with_free_part=False)
+    unaware.set_batch_size(4)
+    assert unaware.estimates()[0] == 1.0 and unaware.choose() == PLAIN
+    # a path that leaves the free candidates' nodes at once: their tree alone would have committed the bonus only
+    chooser.observe_free_part(tree, [])
+    chooser.observe_free_part(_drafter_and_lookup_tree(), [1, 5])
+    assert [value for _, value in chooser.free_tau.samples][-2:] == [1.0, 3.0]
+
+
+def test_the_loop_measures_the_free_part_of_drafted_trees_and_not_of_lookup_trees():
+    """Every drafted tree of a drafter with free candidates adds a budget-0 sample; a lookup tree (no drafter: its
+    budgets only cap the free candidates' tree) adds none beyond its own budget-0 steps."""
+    target = make_target("llama", vocab_size=24, seed=3)
+    prompt = torch.tensor([[1, 2, 3, 4, 5, 6, 1, 2, 3, 4, 5, 6, 1, 2, 3]])
+    drafter = make_drafter(target, tree_budget="auto", auto_budget_candidates=[0, 8], auto_budget_warmup=1000,
+                           prompt_lookup_num_tokens=4)  # fmt: skip
+    target.generate(prompt, assistant_model=drafter, max_new_tokens=12, do_sample=False)
+    chooser = drafter._auto_budget
+    assert chooser.trees == drafter.last_stats.iterations > 0 and chooser.free_tau.count == chooser.trees
+    lookup = LookupTreeModel.from_target(target, tree_budget="auto", auto_budget_candidates=[0, 8],
+                                         auto_budget_warmup=1000)  # fmt: skip
+    target.generate(prompt, assistant_model=lookup, max_new_tokens=12, do_sample=False)
+    assert lookup._auto_budget.trees > 0 and lookup._auto_budget.free_tau.count == 0

@@ -36,7 +36,7 @@ from ..models.tree_drafter.modeling_tree_drafter import TreeDraftModel
 from ..utils import RecentMean, sync
 from .cache_utils import truncate_cache
 from .lookup import LookupSettings
-from .tree import DraftTree
+from .tree import SOURCE_BITS, DraftTree
 from .tree_batch import TreeBatch
 
 DEFAULT_WINDOW = 64  # verified steps: the estimates are means over the samples of the last `window` steps
@@ -253,6 +253,17 @@ class AutoBudget:
         self.free_size.add(self.clock, float(tree.num_drafted))
         if seconds is not None:
             self.free_seconds.add(self.clock, seconds)
+
+    def observe_free_part(self, tree: DraftTree, path: list[int]) -> None:
+        """Record what the free candidates alone would have committed in a drafted tree they joined (`free_at_zero`;
+        `path`: the accepted nodes): the accepted path up to its first node no free source proposed, from a tree of
+        the nodes they proposed. A lower bound (a tree of theirs alone keeps more of their nodes); it keeps the
+        estimate of budget 0 current where the chooser drafts, so a larger batch, where the drafter stops paying,
+        can fall to the free candidates instead of plain steps."""
+        free = [bits & ~SOURCE_BITS["drafter"] for bits in tree.host().sources]
+        accepted = next((i for i, node in enumerate(path) if not free[node]), len(path))
+        self.free_tau.add(self.clock, accepted + 1.0)
+        self.free_size.add(self.clock, float(sum(1 for bits in free[1:] if bits)))
 
     def observe(
         self, tree: DraftTree, path: list[int], drafting_seconds: float | None, budget: int | None = None

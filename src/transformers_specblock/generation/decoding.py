@@ -347,6 +347,8 @@ class _Loop:
             self.adapter.capture(row.generator, tree, path_nodes, bonus, logits.float())
         if self.auto_budget is not None and budget > 0:
             self.auto_budget.observe(tree, path, drafting_seconds, budget=budget)
+            if self.auto_budget.free_at_zero and row.generator.grows_trees:  # what budget 0 would have verified
+                self.auto_budget.observe_free_part(tree, path)
         elif self.auto_budget is not None and self.auto_budget.free_at_zero:
             self.auto_budget.observe_free(tree, path, drafting_seconds)
 
