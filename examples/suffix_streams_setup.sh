@@ -14,6 +14,6 @@ build-venv/bin/pip install -q nanobind   # the build tool only, in its own venv
 cd arctic_inference-0.3.0 && mkdir -p build && cd build
 # the module must match the benchmark's Python (here 3.11): build against the same minor version
 cmake ../csrc/suffix_decoding -DPython_EXECUTABLE="$BUILD_DIR/build-venv/bin/python" -DCMAKE_BUILD_TYPE=Release >cmake.log
-make -j"$(nproc)" >make.log
+make -j"${JOBS:-$(nproc)}" >make.log
 cp _C.*.so ../arctic_inference/suffix_decoding/
 echo "built: $BUILD_DIR/arctic_inference-0.3.0 (pass --peer_path to examples/suffix_streams.py)"

@@ -414,7 +414,7 @@ def test_drafted_trees_tell_what_their_free_candidates_alone_would_have_committe
         return chooser
 
     chooser = chooser_after_drafting(with_free_part=True)
-    assert chooser.estimates() == {0: 2.0, 8: 5.0} and chooser.free_size.mean(chooser.clock) == 2.0
+    assert chooser.estimates() == {0: 2.0, 8: 5.0} and chooser.free_part_size.mean(chooser.clock) == 2.0
     chooser.set_batch_size(1)
     assert chooser.choose() == 8  # 5 / (0.1125 + 0.1) beats 2 / 0.105 and 1.05 / 0.10
     chooser.set_batch_size(4)
@@ -425,7 +425,11 @@ def test_drafted_trees_tell_what_their_free_candidates_alone_would_have_committe
     # a path that leaves the free candidates' nodes at once: their tree alone would have committed the bonus only
     chooser.observe_free_part(tree, [])
     chooser.observe_free_part(_drafter_and_lookup_tree(), [1, 5])
-    assert [value for _, value in chooser.free_tau.samples][-2:] == [1.0, 3.0]
+    assert [value for _, value in chooser.free_part_tau.samples][-2:] == [1.0, 3.0]
+    # once budget 0 has run, what its own trees did decides: here they commit the bonus alone, so plain steps win
+    for _ in range(4):
+        chooser.observe_free(chain_tree(2), [], seconds=0.01)
+    assert chooser.estimates()[0] == 1.0 and chooser.choose() == PLAIN
 
 
 def test_the_loop_measures_the_free_part_of_drafted_trees_and_not_of_lookup_trees():
@@ -437,8 +441,8 @@ def test_the_loop_measures_the_free_part_of_drafted_trees_and_not_of_lookup_tree
                            prompt_lookup_num_tokens=4)  # fmt: skip
     target.generate(prompt, assistant_model=drafter, max_new_tokens=12, do_sample=False)
     chooser = drafter._auto_budget
-    assert chooser.trees == drafter.last_stats.iterations > 0 and chooser.free_tau.count == chooser.trees
+    assert chooser.trees == drafter.last_stats.iterations > 0 and chooser.free_part_tau.count == chooser.trees
     lookup = LookupTreeModel.from_target(target, tree_budget="auto", auto_budget_candidates=[0, 8],
                                          auto_budget_warmup=1000)  # fmt: skip
     target.generate(prompt, assistant_model=lookup, max_new_tokens=12, do_sample=False)
-    assert lookup._auto_budget.trees > 0 and lookup._auto_budget.free_tau.count == 0
+    assert lookup._auto_budget.trees > 0 and lookup._auto_budget.free_part_tau.count == 0

@@ -198,6 +198,8 @@ class AutoBudget:
         self.exploration_extra = RecentMean(self.window, self.keep)  # what exploring steps took beyond chosen ones
         self.free_tau = RecentMean(self.window, self.keep)  # budget 0 with free candidates: tau, size, and their
         self.free_size = RecentMean(self.window, self.keep)
+        self.free_part_tau = RecentMean(self.window, self.keep)  # ... as drafted trees' free parts tell (no time)
+        self.free_part_size = RecentMean(self.window, self.keep)
         self.free_seconds = RecentMean(self.window, self.keep)  # seconds per row
 
     @property
@@ -243,7 +245,8 @@ class AutoBudget:
     def estimates(self) -> dict[int, float]:
         """The current tau estimate of every measured candidate (candidate 0: exactly 1, or the measured tau of the
         free candidates' trees)."""
-        zero = self.free_tau.mean(self.clock) if self.free_tau.count else 1.0
+        tau, _ = self._free_stats()
+        zero = tau.mean(self.clock) if tau.count else 1.0
         return {b: self.tau[b].mean(self.clock) if b else zero for b in self.ladder if b == 0 or self.tau[b].count}
 
     def observe_free(self, tree: DraftTree, path: list[int], seconds: float | None = None) -> None:
@@ -257,13 +260,20 @@ class AutoBudget:
     def observe_free_part(self, tree: DraftTree, path: list[int]) -> None:
         """Record what the free candidates alone would have committed in a drafted tree they joined (`free_at_zero`;
         `path`: the accepted nodes): the accepted path up to its first node no free source proposed, from a tree of
-        the nodes they proposed. A lower bound (a tree of theirs alone keeps more of their nodes); it keeps the
-        estimate of budget 0 current where the chooser drafts, so a larger batch, where the drafter stops paying,
-        can fall to the free candidates instead of plain steps."""
+        the nodes they proposed. Budget 0 is estimated from these samples until it has run itself (`_free_stats`):
+        where the drafter stops paying (a larger batch), the chooser tries the free candidates' trees instead of
+        falling to plain steps knowing nothing of them; once tried, what they really did decides (a tree of theirs
+        alone is pruned by their own scores, not by the drafter's agreement, and costs their lookups' time)."""
         free = [bits & ~SOURCE_BITS["drafter"] for bits in tree.host().sources]
         accepted = next((i for i, node in enumerate(path) if not free[node]), len(path))
-        self.free_tau.add(self.clock, accepted + 1.0)
-        self.free_size.add(self.clock, float(sum(1 for bits in free[1:] if bits)))
+        self.free_part_tau.add(self.clock, accepted + 1.0)
+        self.free_part_size.add(self.clock, float(sum(1 for bits in free[1:] if bits)))
+
+    def _free_stats(self) -> tuple[RecentMean, RecentMean]:
+        """Budget 0's (tau, size) statistics: its own steps', or before it ran, the drafted trees' free parts'."""
+        if self.free_tau.count or not self.free_part_tau.count:
+            return self.free_tau, self.free_size
+        return self.free_part_tau, self.free_part_size
 
     def observe(
         self, tree: DraftTree, path: list[int], drafting_seconds: float | None, budget: int | None = None
@@ -307,7 +317,8 @@ class AutoBudget:
         if not tau:
             return self.largest
         sizes = {b: self.size[b].mean(self.clock) for b in tau if b}
-        sizes[0] = self.free_size.mean(self.clock) if self.free_size.count else 0.0
+        _, free_size = self._free_stats()
+        sizes[0] = free_size.mean(self.clock) if free_size.count else 0.0
         free = self.free_seconds.mean(self.clock) * self.batch_size
         drafting = self.drafting.mean(self.clock) * self.batch_size
         plain = self.free_at_zero and not drafting_only
@@ -371,7 +382,10 @@ class AutoBudget:
         """The expected seconds of a step drafting with `budget` (`PLAIN`: a plain step) for the live batch."""
         if budget == PLAIN or (budget == 0 and not self.free_at_zero):
             return self.step_seconds(0)
-        size, drafting = (self.free_size, self.free_seconds) if budget == 0 else (self.size[budget], self.drafting)
+        if budget == 0:
+            size, drafting = self._free_stats()[1], self.free_seconds
+        else:
+            size, drafting = self.size[budget], self.drafting
         nodes = size.mean(self.clock) if size.count else budget
         return self.step_seconds(nodes) + drafting.mean(self.clock) * self.batch_size
 
