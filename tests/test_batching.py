@@ -21,7 +21,8 @@ from conftest import make_drafter, make_target
 from deep_oracle import install_deep_oracle
 from test_greedy_exactness import letter_tokenizer
 from transformers_specblock import DFlashDraftModel, Eagle3DraftModel, LookupTreeModel
-from transformers_specblock.generation.budget import AutoBudget, TargetCost
+from transformers_specblock.generation.budget import AutoBudget
+from transformers_specblock.generation.target_cost import TargetCost
 from transformers_specblock.generation.rows import host_stop_rule
 from transformers_specblock.generation.tree import DraftTree
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import itertools
 
 
-import transformers_specblock.generation.budget as budget
+import transformers_specblock.generation.target_cost as target_cost
 from conftest import make_target
 
 
@@ -20,11 +20,11 @@ def test_measured_cost_counts_forwards_keeps_the_fastest_and_never_falls(monkeyp
     # raw durations per size (warm-up first, then 3 repeats): size 2 is noisy-slow, size 4 cheaper than size 3
     durations = {0: [9, 5, 4, 6], 2: [9, 8, 7, 9], 3: [9, 6, 6, 6], 4: [9, 5, 5, 9]}
     ticks = itertools.chain.from_iterable((0.0, d) for size in sorted(durations) for d in durations[size])
-    monkeypatch.setattr(budget.time, "perf_counter", lambda: next(ticks))
-    cost = budget.measure_target_cost(target, [4, 0, 3, 2], context_length=16, repeats=3)
+    monkeypatch.setattr(target_cost.time, "perf_counter", lambda: next(ticks))
+    cost = target_cost.measure_target_cost(target, [4, 0, 3, 2], context_length=16, repeats=3)
     handle.remove()
     assert calls == [16] + [n + 1 for n in (0, 2, 3, 4) for _ in range(4)]  # prefill, then 4 forwards per size
     assert cost.sizes == [0, 2, 3, 4]
     # fastest of each size: 4, 7, 6, 5 -> then the cheapest of every larger size
     assert cost.seconds == [4, 5, 5, 5]
-    assert budget.measure_target_cost(target, [0, 2, 3, 4], context_length=16, repeats=3) is cost  # cached
+    assert target_cost.measure_target_cost(target, [0, 2, 3, 4], context_length=16, repeats=3) is cost  # cached

@@ -2,7 +2,7 @@
 the tree budget, the loop and its entry into `generate`."""
 
 from .acceptance import greedy_accept, greedy_accept_rows, sample_accept
-from .budget import AutoBudget, TargetCost, auto_budget_for, best_budget, measure_target_cost
+from .budget import AutoBudget, auto_budget_for, best_budget
 from .cache_utils import compact_cache, full_attention_cache, truncate_cache
 from .candidate_generators import (
     CANDIDATE_GENERATOR_MAPPING,
@@ -15,6 +15,7 @@ from .candidate_generators import (
 from .decoding import SpecBlockStats, tree_speculative_decoding
 from .integration import generate, install, uninstall
 from .logits_process import TreeLogitsProcessor
+from .target_cost import TargetCost, measure_target_cost
 from .tree import DraftTree, tree_verification_mask
 from .tree_batch import TreeBatch
 from .verification import Verification, verify_trees
