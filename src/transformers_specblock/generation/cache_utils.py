@@ -28,8 +28,7 @@ def compact_cache(cache: DynamicCache, past_length: int, kept: list[list[int]]) 
             layer.keys[:, :, past_length : past_length + width] = layer.keys.gather(2, expanded[shape])
             layer.values[:, :, past_length : past_length + width] = layer.values.gather(2, expanded[shape])
     truncate_cache(cache, past_length + width)
-    counts = torch.tensor([len(nodes) for nodes in kept])
-    return torch.arange(width)[None, :] < counts[:, None]
+    return torch.tensor([[j < len(nodes) for j in range(width)] for nodes in kept])
 
 
 def repack_cache(cache: DynamicCache, visible: torch.BoolTensor, drop: int) -> torch.BoolTensor:

@@ -71,6 +71,7 @@ class DraftTree:
             parents=torch.full((1,), -1, dtype=torch.long, device=device),
             depths=torch.zeros(1, dtype=torch.long, device=device),
             scores=torch.zeros(1, dtype=torch.float32, device=device),
+            sources=torch.zeros(1, dtype=torch.long, device=device),
             depth_bound=0,
         )
 
