@@ -8,7 +8,8 @@ Each repeat runs both, in alternating order (plain first, then the loop first). 
 over repeats of (plain seconds / loop seconds) - 1.0 means no overhead, and one call on a shared machine moves by
 several percent - and, steadier, what each call spent outside the target's forwards (generate's set-up, and all the
 Python and bookkeeping around every step: the loop's own overhead is the difference) per decoding step, with the
-outputs' equality. Writes results.json.
+outputs' equality; then, exactly, the aten ops and host syncs per step outside the target's forward (one more
+call of each under `generation.op_counter.count_ops`). Writes results.json.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import torch
 from tqdm.auto import tqdm
 
 from transformers_specblock import Eagle3DraftModel, load_packaged_model, load_prompts
+from transformers_specblock.generation.op_counter import count_ops
 from transformers_specblock.hub.provenance import describe_device
 
 
@@ -87,9 +89,15 @@ def main() -> None:
             "identical": outputs["loop"].tolist() == outputs["plain"].tolist(),
         }  # fmt: skip
         row = results["batch_sizes"][batch_size]
+        for name, kwargs in calls.items():  # exact counts: one more call each, untimed
+            with count_ops(target) as counts:
+                target.generate(**inputs, **settings, **kwargs)
+            per_step = counts.per_iteration()
+            row[f"{name}_ops_per_step"], row[f"{name}_syncs_per_step"] = per_step["loop_ops"], per_step["loop_syncs"]
         print(f"batch {batch_size}: loop at budget 0 runs {row['median_speed_vs_plain']:.3f}x plain (median of "
               f"ratios); outside the target's forwards {outside_ms['plain']:.2f} ms/step plain, "
-              f"{outside_ms['loop']:.2f} loop; identical={row['identical']}")  # fmt: skip
+              f"{outside_ms['loop']:.2f} loop; aten ops per step outside it {row['plain_ops_per_step']:.1f} plain, "
+              f"{row['loop_ops_per_step']:.1f} loop; identical={row['identical']}")  # fmt: skip
     Path(args.output).mkdir(parents=True, exist_ok=True)
     Path(args.output, "results.json").write_text(json.dumps(results, indent=2))
 
