@@ -314,12 +314,7 @@ class _Loop:
         # every row's kept nodes as one [B, K] index (root first; a shorter row repeats its last node)
         index = kept_index(kept, batch.tokens.device)
         lengths = [len(nodes) for nodes in kept]
-        if batch.size == 1:  # roots alone: the target's pick is each row's new token
-            new_tokens = bonus[:, None]
-        else:
-            last = to_device(lengths, index.device)[:, None] - 1
-            new_tokens = torch.cat([batch.tokens.gather(1, index)[:, 1:], bonus[:, None]], 1)
-            new_tokens.scatter_(1, last, bonus[:, None])
+        new_tokens = batch.new_tokens(index, lengths, bonus)
         kept_scores, kept_raw = kept_rows(kept, index, processed, raw, self.generation_config.output_logits)
         if budget > 0 or (budget == 0 and any(row.generator.free_candidates is not None for row in live)):
             for i, (row, tree, (_, drafting_seconds)) in enumerate(zip(live, trees, drafted)):

@@ -70,6 +70,15 @@ class TreeBatch:
         prefix = prefix_visible.to(self.tokens.device)[:, None, :].expand(-1, self.size, -1)
         return additive_mask(torch.cat([prefix, self.ancestors], dim=2), dtype)[:, None]
 
+    def new_tokens(self, index: torch.LongTensor, lengths: list[int], bonus: torch.LongTensor) -> torch.LongTensor:
+        """[B, K] each row's new tokens: its accepted nodes' tokens, then its bonus token (at position lengths[r] - 1;
+        entries past it are never read). index: `kept_index` of the kept nodes; bonus: [B]."""
+        if self.size == 1:  # roots alone: the target's pick is each row's new token
+            return bonus[:, None]
+        last = to_device(lengths, index.device)[:, None] - 1
+        new_tokens = torch.cat([self.tokens.gather(1, index)[:, 1:], bonus[:, None]], 1)
+        return new_tokens.scatter_(1, last, bonus[:, None])
+
 
 def kept_index(kept: list[list[int]], device: torch.device | str = "cpu") -> torch.LongTensor:
     """[B, K] each row's kept nodes (K = the longest row; a shorter row repeats its last node)."""
