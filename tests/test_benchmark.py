@@ -203,6 +203,42 @@ def test_a_16bit_run_records_where_outputs_leave_greedy_and_the_float32_gap_ther
     assert resumed.summary()["penalised"]["max_fp32_gap"] is None
 
 
+def test_a_16bit_batch_scores_each_row_alone_and_keeps_its_largest_gap():
+    """In a left-padded batch each row's divergence is scored on its own prompt, padding dropped, and the batch keeps
+    the largest gap of its rows (the row least explained by a near-tie)."""
+    from transformers_specblock.commands.benchmark import _encode, _new_tokens
+
+    target, tokenizer, prompts, _, _ = tiny_setup()
+    tokenizer.eos_token = "x"  # the letter tokenizer has no pad token: batches pad with the EOS token
+    target = target.to(torch.bfloat16)
+    float32_target = copy.deepcopy(target).float()
+    penalised = Method("penalised", {"repetition_penalty": 8.0})
+    results = run_benchmark(target, tokenizer, prompts, [penalised], max_new_tokens=12, warmup_tokens=0,
+                            batch_size=2)  # fmt: skip
+    assert results.settings["near_tie_gap"] == NEAR_TIE_GAP
+    left = [r for r in results.prompts if r.method == "penalised" and not r.identical_to_reference]
+    assert left, "the penalty changed no output: the test proves nothing"
+    for batch in left:
+        rows = [prompts[int(prompt_id[1:])] for prompt_id in batch.prompt_id.split("+")]
+        inputs = _encode(tokenizer, rows, target.device)
+        assert not inputs["attention_mask"].all(), "equal prompt lengths: padding is not exercised"
+        width, eos = inputs["input_ids"].shape[1], {tokenizer.eos_token_id}
+        kwargs = {"do_sample": False, "max_new_tokens": 12, "pad_token_id": tokenizer.eos_token_id}
+        reference = _new_tokens(target.generate(**inputs, **kwargs), width, eos)
+        tokens = _new_tokens(target.generate(**inputs, **kwargs, repetition_penalty=8.0), width, eos)
+        gaps = {}
+        for row, text in enumerate(rows):
+            if reference[row] == tokens[row]:
+                continue
+            position = _first_difference(reference[row], tokens[row])
+            prompt = tokenizer(text["text"], add_special_tokens=False)["input_ids"]
+            with torch.no_grad():
+                logits = float32_target(torch.tensor([prompt + reference[row][:position]])).logits[0, -1]
+            gaps[position] = abs(float(logits[reference[row][position]] - logits[tokens[row][position]]))
+        position, gap = max(gaps.items(), key=lambda item: item[1])
+        assert batch.divergence_position == position and batch.fp32_gap == pytest.approx(gap, rel=1e-4)
+
+
 def test_sampling_and_opt_out_measure_no_gaps(monkeypatch):
     from transformers_specblock.commands import benchmark
 

@@ -27,7 +27,7 @@ from transformers.utils import logging
 
 from ..generation.op_counter import OpCounts, count_ops
 from ..models.tree_drafter.modeling_tree_drafter import TreeDraftModel
-from .exactness import NEAR_TIE_GAP, first_divergence, float32_copy
+from .exactness import NEAR_TIE_GAP, first_divergence_in_batch, float32_copy
 
 logger = logging.get_logger(__name__)
 
@@ -67,6 +67,7 @@ class PromptResult:
     peak_memory_mb: float | None = None
     target_calls: int | None = None  # target forwards of the whole generate call (prefill included)
     # greedy outputs that left the reference: first differing new token, float32 |logit gap| of the two tokens there
+    # (a batch: of its row with the largest gap)
     divergence_position: int | None = None
     fp32_gap: float | None = None
     # count_ops: one more untimed call under `op_counter.count_ops`: loop iterations, aten ops and host syncs per region
@@ -252,7 +253,8 @@ def run_benchmark(
     Greedy with `measure_near_ties`: where an output leaves the reference's, its row records the first differing
     position and the float32 logit gap of the two tokens there, measured untimed with the target itself (float32) or,
     for a 16-bit target, with one float32 copy made before the first prompt (so every method's peak memory includes
-    that copy alike). A gap above `exactness.NEAR_TIE_GAP` is logged as a warning: not explained by round-off.
+    that copy alike); in a batch every row is scored alone on its own prompt and the largest gap is kept. A gap above
+    `exactness.NEAR_TIE_GAP` is logged as a warning: not explained by round-off.
 
     `repeats` > 1: each prompt (batch) runs `repeats` rounds of every method, each round starting one method later;
     a method's row is its median round by time (`repeat_seconds` keeps every round's), so one burst of load on a
@@ -265,7 +267,7 @@ def run_benchmark(
     settings = {"max_new_tokens": max_new_tokens, "do_sample": do_sample, "seed": seed, **generate_kwargs}
     settings |= {"methods": [REFERENCE] + [m.name for m in methods], "num_prompts": len(prompts)}
     settings |= {"batch_size": batch_size, "refused": {}, "repeats": repeats}
-    measured = measure_near_ties and not do_sample and target.dtype in FLOAT_DTYPES and batch_size == 1
+    measured = measure_near_ties and not do_sample and target.dtype in FLOAT_DTYPES
     settings["count_ops"] = count_ops
     settings["near_tie_gap"] = NEAR_TIE_GAP if measured else None  # the largest float32 gap counted as a near-tie
     results = BenchmarkResults(settings=settings)
@@ -318,7 +320,8 @@ def run_benchmark(
             result.identical_to_reference = None if do_sample else all(t == reference for _, t in by_time)
             result.repeat_seconds = [r.seconds for r, _ in rounds[method.name]]
             if float32_target is not None and tokens != reference:  # untimed: after the peak memory is read
-                divergence = first_divergence(float32_target, inputs["input_ids"], reference[0], tokens[0])
+                divergence = first_divergence_in_batch(float32_target, inputs["input_ids"],
+                                                       inputs.get("attention_mask"), reference, tokens)  # fmt: skip
                 result.divergence_position, result.fp32_gap = divergence.position, divergence.fp32_gap
                 if not divergence.is_near_tie():
                     logger.warning(

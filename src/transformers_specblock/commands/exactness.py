@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel
 
-__all__ = ["NEAR_TIE_GAP", "Divergence", "first_divergence", "float32_copy", "is_16bit"]
+__all__ = ["NEAR_TIE_GAP", "Divergence", "first_divergence", "first_divergence_in_batch", "float32_copy", "is_16bit"]
 
 # Largest float32 logit gap a 16-bit flip may have and still count as a near-tie. A flip happens where the 16-bit gap
 # between the two tokens is about zero, so its float32 gap is about the 16-bit round-off of that gap. Measured on
@@ -94,3 +94,25 @@ def first_divergence(
     input_ids = torch.tensor([prompt + reference[:position]], device=device)  # (1, P + position)
     logits = float32_target(input_ids=input_ids, logits_to_keep=1).logits[0, -1].float()  # (V,)
     return Divergence(position, ref_tok, method_tok, abs(float(logits[ref_tok] - logits[method_tok])))
+
+
+def first_divergence_in_batch(
+    float32_target: PreTrainedModel,
+    input_ids: torch.LongTensor,
+    attention_mask: torch.Tensor | None,
+    reference_rows: list[list[int]],
+    token_rows: list[list[int]],
+) -> Divergence | None:
+    """`first_divergence` for every row of a left-padded batch, each row scored alone on its own prompt (its padding
+    dropped: the float32 question is whether the target itself could tell the two tokens apart there).
+
+    Returns the divergence with the largest float32 gap (the row least explained by a near-tie), or None when every
+    row equals its reference row.
+    """
+    worst = None
+    for row, (reference, tokens) in enumerate(zip(reference_rows, token_rows)):
+        prompt = input_ids[row] if attention_mask is None else input_ids[row][attention_mask[row].bool()]
+        divergence = first_divergence(float32_target, prompt, reference, tokens)
+        if divergence is not None and (worst is None or divergence.fp32_gap > worst.fp32_gap):
+            worst = divergence
+    return worst
