@@ -137,7 +137,8 @@ def test_bfloat16_batched_tree_decoding_leaves_plain_batched_greedy_only_at_near
     prompts = load_prompts("humaneval", tokenizer=tokenizer).select(range(8))
     divergences, accepted = [], []
     for start in (0, 4):
-        inputs = tokenizer(prompts["text"][start : start + 4], return_tensors="pt", padding=True, add_special_tokens=False)
+        texts = prompts["text"][start : start + 4]
+        inputs = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
         assert not inputs["attention_mask"].all(), "equal prompt lengths: padding is not exercised"
         width = inputs["input_ids"].shape[1]
         kwargs = {"do_sample": False, "max_new_tokens": 48, "pad_token_id": tokenizer.pad_token_id}
