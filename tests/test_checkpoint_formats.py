@@ -398,10 +398,9 @@ def test_loaded_specblock_computes_what_the_reference_computes(target, tmp_path,
     default = make_drafter(target)  # our own rank features differ from the reference's (top-1 over the vocabulary)
     assert default.config.rank_top1_over_vocab and default.rank_head[0].bias is not None
     # follow-up blocks: the reference trains and drafts them at block 1's positions, we at the start node's
-    depths = torch.tensor([1, 3])
     assert loaded.config.followup_positions == "block1"
-    assert loaded.followup_start_positions(10, depths).tolist() == [10, 10]
-    assert default.followup_start_positions(10, depths).tolist() == [11, 13]
+    assert loaded.followup_start_positions(10, [1, 3]) == [10, 10]
+    assert default.followup_start_positions(10, [1, 3]) == [11, 13]
 
 
 # ------------------------------------------------------------------------------------------------ export

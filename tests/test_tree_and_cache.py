@@ -101,6 +101,34 @@ def test_block_masks():
     assert follow[1, 8:].tolist() == [True, True, False, False]  # never another new block
 
 
+def test_slot_inputs_are_kept_between_forwards_until_a_weight_changes():
+    """The slots' share of the fusion is kept without gradients and computed afresh after an in-place update (an
+    optimizer step, online adaptation, loading weights) or a move to another dtype; with gradients it is never kept."""
+    target = make_target("llama", vocab_size=64, seed=2)
+    drafter = make_drafter(target)
+
+    def fresh() -> torch.Tensor:
+        hidden, target_hidden = drafter.config.hidden_size, drafter.config.target_hidden_size
+        query = drafter.query_norm(drafter.slot_queries.weight[:3])
+        return torch.nn.functional.linear(query, drafter.fusion.weight[:, hidden + target_hidden :])
+
+    with torch.no_grad():
+        kept = drafter.slot_inputs(3)
+        assert drafter.slot_inputs(3) is kept and torch.equal(kept, fresh())
+        assert drafter.slot_inputs(2).shape[0] == 2 and drafter.slot_inputs(3) is not kept  # another slot count
+        for change in (lambda: drafter.slot_queries.weight.add_(0.5), lambda: drafter.query_norm.weight.mul_(2.0),
+                       lambda: drafter.fusion.load_state_dict({"weight": drafter.fusion.weight * 3})):  # fmt: skip
+            before = drafter.slot_inputs(3)
+            change()
+            after = drafter.slot_inputs(3)
+            assert not torch.equal(after, before) and torch.equal(after, fresh())
+        drafter.to(torch.bfloat16)
+        assert drafter.slot_inputs(3).dtype == torch.bfloat16 and torch.equal(drafter.slot_inputs(3), fresh())
+    drafter.float()
+    with torch.enable_grad():
+        assert drafter.slot_inputs(3).requires_grad and drafter.slot_inputs(3) is not drafter.slot_inputs(3)
+
+
 def test_tree_forward_equals_branch_by_branch():
     """One forward over a tree with the tree mask gives each branch's logits and hidden states."""
     target = make_target("llama", vocab_size=64, seed=2)

@@ -27,9 +27,7 @@ def sync(device: torch.device) -> None:
 
 def additive_mask(visible: torch.BoolTensor, dtype: torch.dtype) -> torch.Tensor:
     """Bool visibility -> additive float mask (0 where visible, dtype-min elsewhere), as eager attention adds it."""
-    return torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill_(
-        ~visible, torch.finfo(dtype).min
-    )
+    return torch.full(visible.shape, torch.finfo(dtype).min, dtype=dtype, device=visible.device).masked_fill_(visible, 0)
 
 
 def import_pyplot() -> Any:

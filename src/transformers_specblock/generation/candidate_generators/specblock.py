@@ -78,7 +78,7 @@ class SpecBlockCandidateGenerator(TreeCandidateGenerator):
             out = self._feed(
                 target_features[offset : offset + chunk], next_tokens[offset : offset + chunk], first_position + offset
             )
-        self.root_block = (out.logits[0, -1], out.hidden_states[0, -1], out.rank_logits[0, -1])
+        self.root_block = (out.logits[:, -1], out.hidden_states[:, -1], out.rank_logits[:, -1])  # [1, K, ...]
         self.root_position = first_position + num_pos - 1
         self._account(start, forwards=-(-num_pos // chunk))
 
@@ -111,7 +111,7 @@ class SpecBlockCandidateGenerator(TreeCandidateGenerator):
         k_slots = self.block_size
         tree = HostTree.root_only()
         logits, hidden, rank_logits = self.root_block
-        rnd = self._read_round(logits[None], hidden[None], rank_logits[None], [0], numpy.zeros((1, 0), dtype=bool))
+        rnd = self._read_round(logits, hidden, rank_logits, [0], numpy.zeros((1, 0), dtype=bool))
         local_entries = k_slots  # block 1 = the root position's K cached slots
         blocks = 1
         for round_idx in range(self.max_blocks):
@@ -137,13 +137,15 @@ class SpecBlockCandidateGenerator(TreeCandidateGenerator):
                 inherited[row, rnd.entry_offsets[block] : rnd.entry_offsets[block] + slot + 1] = True
             start_nodes = [node for node, _, _, _ in chosen]
             device = self.drafter.device
-            flat = to_device([block * parent_slots + slot for _, block, slot, _ in chosen], device)
-            inputs = to_device([[tree.tokens[n] for n in start_nodes], [tree.depths[n] for n in start_nodes]], device)
+            positions = self.drafter.followup_start_positions(self.root_position, [tree.depths[n] for n in start_nodes])
+            # one copy: the start slots among the round's [B * K] states, the start tokens, their positions
+            inputs = to_device([[block * parent_slots + slot for _, block, slot, _ in chosen],
+                                [tree.tokens[n] for n in start_nodes], positions], device)  # fmt: skip
             mask = followup_block_mask(inherited, num_slots, self.committed_entries - k_slots, device)
             out = compiled_method(self.drafter, "draft_blocks")(
-                rnd.hidden.flatten(0, 1)[flat][None],
-                inputs[0][None],
-                self.drafter.followup_start_positions(self.root_position, inputs[1])[None],
+                rnd.hidden.flatten(0, 1)[inputs[:1]],  # [1, blocks, H]
+                inputs[1:2],
+                inputs[2:],
                 mask[None],
                 self.cache,
                 num_slots=num_slots,
@@ -166,8 +168,8 @@ class SpecBlockCandidateGenerator(TreeCandidateGenerator):
         """A round's outputs (logits [B, K, Vd], slot states [B, K, H], rank logits [B, K, C]) with each slot's top
         candidates, their target-vocabulary ids and the slot widths read back in ONE host read."""
         top_lp, top_ids = logits.float().log_softmax(-1).topk(self.max_width, dim=-1)  # [B, K, W]
-        columns = [top_lp.double(), self.drafter.d2t[top_ids].double(),
-                   self._widths(rank_logits)[..., None].double()]  # fmt: skip
+        # float32 holds every id exactly (vocabularies < 2^24 tokens)
+        columns = [top_lp, self.drafter.d2t[top_ids].float(), self._widths(rank_logits)[..., None].float()]
         table = torch.cat(columns, dim=-1).tolist()  # [B][K][2W + 1]
         width = self.max_width
         return _Round(

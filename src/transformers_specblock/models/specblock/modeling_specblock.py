@@ -192,12 +192,9 @@ class SpecBlockDraftModel(SpecBlockPreTrainedModel):
         target_hidden = self.config.target_hidden_size
         cond = self.condition_norm(condition)  # [B, P, H]
         tok = self.token_norm(self.embed_target_tokens(input_ids))  # [B, P, H_t]
-        query = self.query_norm(self.slot_queries.weight[:k_slots])  # [K, H]
         # fusion(concat(cond, tok, query)) computed as W_ct [cond; tok] + W_q query: one matmul per position.
-        w_ct, w_q = self.fusion.weight.split([hidden + target_hidden, hidden], dim=1)
-        per_position = F.linear(torch.cat([cond, tok], dim=-1), w_ct)  # [B, P, H]
-        per_slot = F.linear(query, w_q)  # [K, H]
-        h = (per_position[:, :, None, :] + per_slot).reshape(batch, num_pos * k_slots, hidden)
+        per_position = F.linear(torch.cat([cond, tok], dim=-1), self.fusion.weight[:, : hidden + target_hidden])
+        h = (per_position[:, :, None, :] + self.slot_inputs(k_slots)).reshape(batch, num_pos * k_slots, hidden)
 
         slot_positions = position_ids[:, :, None] + torch.arange(k_slots, device=position_ids.device)
         slot_positions = slot_positions.reshape(batch, num_pos * k_slots)
@@ -227,13 +224,30 @@ class SpecBlockDraftModel(SpecBlockPreTrainedModel):
             logits=logits, hidden_states=hidden_states, rank_logits=rank_logits, past_key_values=past_key_values
         )
 
-    def followup_start_positions(self, root_position: int, start_depths: torch.LongTensor) -> torch.LongTensor:
+    def slot_inputs(self, num_slots: int) -> torch.Tensor:
+        """[K, H] each slot's share of the fusion, `W_q query_norm(query_k)`, for slots 0..num_slots-1.
+
+        A function of the weights alone: without gradients it is kept between forwards (a norm and a matmul fewer per
+        drafter forward) and computed afresh once one of its weights changed (training, online adaptation, `to`)."""
+        weights = (self.slot_queries.weight, self.query_norm.weight, self.fusion.weight)
+        keep = not torch.is_grad_enabled() and not any(w.is_inference() for w in weights)
+        key = (num_slots, *((w.data_ptr(), w._version, w.dtype) for w in weights)) if keep else None
+        kept = self.__dict__.get("_slot_inputs")
+        if kept is not None and kept[0] == key:
+            return kept[1]
+        w_q = self.fusion.weight[:, self.config.hidden_size + self.config.target_hidden_size :]
+        inputs = F.linear(self.query_norm(self.slot_queries.weight[:num_slots]), w_q)  # [K, H]
+        if keep:
+            self.__dict__["_slot_inputs"] = (key, inputs)
+        return inputs
+
+    def followup_start_positions(self, root_position: int, start_depths: list[int]) -> list[int]:
         """Rotary position of each follow-up block's start token (slot k sits k further) for start nodes at
         `start_depths` below a root at `root_position`: root + depth ("start_node"), or the root's, i.e. block 1's
         positions ("block1", the SpecBlock reference's rule in training and drafting)."""
         if self.config.followup_positions == "block1":
-            return torch.full_like(start_depths, root_position)
-        return root_position + start_depths
+            return [root_position] * len(start_depths)
+        return [root_position + depth for depth in start_depths]
 
     def heads(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Pre-norm slot states [..., H] -> (draft logits [..., Vd], rank logits [..., num_rank_classes])."""
