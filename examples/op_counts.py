@@ -5,6 +5,8 @@ shipped drafters (greedy, MT-Bench prompts): exact counts, the same on any CPU (
 
 Methods: plain, the shipped settings at budget 8 (lookup_tree at 16), and SpecBlock K = 4 x 2 blocks against
 EAGLE-3 `tree_depth=8`, both at budget 32 (the paper's claim in launch terms: SpecBlock's drafting ops / EAGLE-3's).
+`--specblock_variant PATH` counts (and times) a second SpecBlock drafter the same ways, e.g. one with one decoder
+layer: its rows are "specblock_variant@8" and "specblock_variant K4x2@32".
 """
 
 from __future__ import annotations
@@ -37,17 +39,24 @@ RUNS = {
     "specblock K4x2@32": ("specblock", {"tree_budget": 32, "max_blocks": 2, **ALONE}),
     "eagle3 depth8@32": ("eagle3", {"tree_budget": 32, "tree_depth": 8, **ALONE}),
 }
+VARIANT_RUNS = {
+    "specblock_variant@8": ("specblock_variant", {"tree_budget": 8, **ALONE}),
+    "specblock_variant K4x2@32": ("specblock_variant", {"tree_budget": 32, "max_blocks": 2, **ALONE}),
+}
+EQUAL_DEPTH = {"specblock K4x2@32": "eagle3 depth8@32", "specblock_variant K4x2@32": "eagle3 depth8@32"}
 
 
-def time_drafting(target, tokenizer, prompts, drafters, args) -> dict:
-    """Drafting ms per iteration of SpecBlock K4x2@32 and EAGLE-3 depth8@32, interleaved per prompt (best of two)."""
-    ratios, rows = [], []
+def time_drafting(target, tokenizer, prompts, drafters, pairs: dict[str, str], args) -> dict:
+    """Drafting ms per iteration of each equal-depth pair (SpecBlock K4x2@32 and EAGLE-3 depth8@32), interleaved per
+    prompt (best of two); per pair the median per-prompt ratio."""
+    ratios, rows = {ours: [] for ours in pairs}, []
+    names = list(dict.fromkeys([*pairs, *pairs.values()]))
     for row in prompts.select(range(args.num_prompts, args.num_prompts + args.time_prompts)):
         text = tokenizer.apply_chat_template([{"role": "user", "content": row["prompt"]}], tokenize=False,
                                              add_generation_prompt=True)  # fmt: skip
         encoded = tokenizer(text, return_tensors="pt", add_special_tokens=False)
         ms = {}
-        for name in ("specblock K4x2@32", "eagle3 depth8@32") * 2:
+        for name in names * 2:
             kind, settings = RUNS[name]
             with drafters[kind].tree_settings(**settings), torch.no_grad():
                 target.generate(**encoded, max_new_tokens=args.max_new_tokens, do_sample=False,
@@ -55,8 +64,10 @@ def time_drafting(target, tokenizer, prompts, drafters, args) -> dict:
             stats = drafters[kind].last_stats
             ms[name] = min(ms.get(name, float("inf")), stats.drafter_time_s / stats.iterations * 1e3)
         rows.append(ms)
-        ratios.append(ms["specblock K4x2@32"] / ms["eagle3 depth8@32"])
-    return {"specblock_over_eagle3_drafting_time": statistics.median(ratios), "drafting_ms_per_iter": rows}
+        for ours, theirs in pairs.items():
+            ratios[ours].append(ms[ours] / ms[theirs])
+    medians = {f"{ours} over {pairs[ours]} drafting time": statistics.median(r) for ours, r in ratios.items()}
+    return medians | {"drafting_ms_per_iter": rows}
 
 
 def main() -> None:
@@ -65,10 +76,14 @@ def main() -> None:
     parser.add_argument("--max_new_tokens", type=int, default=48)
     parser.add_argument("--methods", default=",".join(RUNS), help=f"comma list of {list(RUNS)}")
     parser.add_argument("--output", default="out/op-counts/counts.json")
+    parser.add_argument("--specblock_variant", default=None, help="a second SpecBlock drafter's folder (see above)")
     parser.add_argument("--time_prompts", type=int, default=0,
                         help="also time the equal-depth pair's drafting on this many further prompts (interleaved, "
                              "uncounted): the median per-prompt ratio of drafting ms per iteration")  # fmt: skip
     args = parser.parse_args()
+    if args.specblock_variant:
+        RUNS.update(VARIANT_RUNS)
+        args.methods += "," + ",".join(VARIANT_RUNS)
     torch.set_num_threads(1)
     target, tokenizer = load_packaged_model("smollm2-135m-instruct")
     prompts = load_prompts("mt_bench", tokenizer=tokenizer)
@@ -81,6 +96,9 @@ def main() -> None:
     for kind in ("specblock", "eagle3", "dflash"):
         drafters[kind] = AutoModel.from_pretrained(resolve_drafter_path(f"{kind}-smollm2-135m-instruct")).eval()
         drafters[kind].bind_target(target)
+    if args.specblock_variant:
+        drafters["specblock_variant"] = AutoModel.from_pretrained(args.specblock_variant).eval()
+        drafters["specblock_variant"].bind_target(target)
     results = {}
     for name in tqdm(args.methods.split(","), desc="methods"):
         kind, settings = RUNS[name]
@@ -99,12 +117,11 @@ def main() -> None:
             "drafter_forwards_per_iter": forwards / max(1, iterations),
             "top_outside_per_iter": counts.top_outside(8),
         }
-    claim = {}
-    if {"specblock K4x2@32", "eagle3 depth8@32"} <= results.keys():
-        ours, theirs = results["specblock K4x2@32"], results["eagle3 depth8@32"]
-        claim = {"specblock_over_eagle3_drafting_ops": ours["drafting_ops"] / theirs["drafting_ops"]}
-    if args.time_prompts and claim:
-        claim |= time_drafting(target, tokenizer, prompts, drafters, args)
+    pairs = {ours: theirs for ours, theirs in EQUAL_DEPTH.items() if {ours, theirs} <= results.keys()}
+    claim = {f"{ours} over {theirs} drafting ops": results[ours]["drafting_ops"] / results[theirs]["drafting_ops"]
+             for ours, theirs in pairs.items()}  # fmt: skip
+    if args.time_prompts and pairs:
+        claim |= time_drafting(target, tokenizer, prompts, drafters, pairs, args)
     payload = {
         "settings": vars(args) | {"target": "smollm2-135m-instruct", "dtype": str(target.dtype), "greedy": True},
         "hardware": describe_device(target.device),
