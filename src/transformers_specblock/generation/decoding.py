@@ -252,10 +252,9 @@ class _Loop:
         kept = commit(rows, list(first.to(input_ids.device)[:, None]), list(processed[:, None]), self.stopping_criteria)
         for row, count in zip(rows, kept):
             record(row, self.generation_config, processed[row.index, None], raw[row.index, None], count)
-            if not row.done and self.drafts_ever:
-                seen = visible[row.index]
-                context = torch.cat([input_ids[row.index][seen.to(input_ids.device)][1:], row.sequence[-1:]])
-                row.generator.queue(features[row.index][seen], context, first_position=1)
+            if not row.done and self.drafts_ever:  # its prompt: the columns after its left padding (`_validate`)
+                context = torch.cat([input_ids[row.index, row.left_padding + 1 :], row.sequence[-1:]])
+                row.generator.queue(features[row.index, row.left_padding :], context, first_position=1)
         return rows, visible
 
     def budget(self, live_rows: int, fixed: int, config: TreeDrafterConfig) -> int:
