@@ -27,13 +27,14 @@ NEW_TOKENS = 24
 # trees' host copies and compaction shared one index across layers (2026-12-02): drafting SpecBlock 815 ops / 3
 # syncs, EAGLE-3 365 / 2, DFlash 232 / 1, lookup 5.5 (its ancestor matrix now comes with the tree's one copy); loop
 # 104-111 ops for the drafters, 86 for lookup; before SpecBlock kept its slots' fusion input between forwards and
-# copied a follow-up round's inputs at once (2026-12-02): SpecBlock drafting 589 ops.
+# copied a follow-up round's inputs at once, EAGLE-3 a round's, and the prefill sliced each row's prompt instead of
+# masking it (2026-12-02): drafting SpecBlock 589 ops, EAGLE-3 270; loop 1.18 syncs.
 BOUNDS = {
     "plain": (0, 26, 0, 1.1, 0),
-    "specblock": (575, 70, 2, 1.25, 2.0),
-    "eagle3": (285, 68, 1, 1.25, 2.0),
-    "lookup_tree": (8.5, 60, 0.1, 1.25, 0),
-    "dflash": (242, 70, 1, 1.25, 1.0),
+    "specblock": (575, 70, 2, 1.15, 2.0),
+    "eagle3": (270, 68, 1, 1.15, 2.0),
+    "lookup_tree": (8.5, 60, 0.1, 1.15, 0),
+    "dflash": (242, 70, 1, 1.15, 1.0),
 }
 
 

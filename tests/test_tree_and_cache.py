@@ -95,7 +95,7 @@ def test_block_masks():
         host = host_block_causal_mask(num_positions, 3, past_length)
         assert host.tolist() == block_causal_mask(num_positions, 3, past_length, torch.device("cpu")).tolist()
     inherited = numpy.array([[True, False, False], [True, True, False]])
-    follow = followup_block_mask(inherited, block_size=2, prefix_length=5, device="cpu")
+    follow = followup_block_mask(inherited, block_size=2, prefix_length=5, device="cpu")[0]  # [1, R, S]: one sequence
     assert follow.shape == (4, 5 + 3 + 4)
     assert follow[2, 5:8].tolist() == [True, True, False]  # block 1 inherits its own visible entries
     assert follow[1, 8:].tolist() == [True, True, False, False]  # never another new block

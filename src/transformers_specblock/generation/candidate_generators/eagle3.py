@@ -75,12 +75,12 @@ class Eagle3CandidateGenerator(TreeCandidateGenerator):
             self.drafter.fuse_features(target_features)[None],
             next_tokens.to(device)[None],
             positions,
-            to_device(mask, device)[None],
+            to_device(mask[None], device),
             self.cache,
             logits_to_keep=1,
         )
         self.committed_entries = self.cache.get_seq_length()
-        self.root_output = (out.logits[0, -1], out.hidden_states[0, -1])
+        self.root_output = (out.logits[:, -1], out.hidden_states[0, -1])  # [1, Vd], [H]
         self.root_position = first_position + num_pos - 1
         self._account(start)
 
@@ -99,11 +99,11 @@ class Eagle3CandidateGenerator(TreeCandidateGenerator):
         tree = HostTree.root_only()
         logits, hidden = self.root_output
         max_rounds = min(self.depth, self.tree_budget - 1)
-        root_lp, root_ids = self._top_k(logits[None])  # [1, k] each, on the device
+        root_lp, root_ids = self._top_k(logits)  # [1, k] each, on the device
         frontier_hidden = hidden[None].expand(k, -1)  # every depth-1 node was produced by the root position
         visible = numpy.eye(k, dtype=bool)  # each depth-1 node sees itself among this iteration's entries
-        positions = torch.full((k,), self.root_position + 1, device=device)
-        out = self._draft_round(frontier_hidden, root_ids[0], positions, visible) if max_rounds else None
+        positions = torch.full((1, k), self.root_position + 1, device=device)
+        out = self._draft_round(frontier_hidden[None], root_ids, positions, visible) if max_rounds else None
         tops = [(root_lp, root_ids)] + ([self._top_k(out.logits[0])] if out is not None else [])
         root, *children_top = self._read(tops)
         frontier = [tree.add_node(token, 0, lp) for lp, token in zip(*root[0])]  # the root's children
@@ -122,14 +122,15 @@ class Eagle3CandidateGenerator(TreeCandidateGenerator):
                 self.note_producers(torch.tensor(children, device=device), out.hidden_states[0].repeat_interleave(k, 0))
             best = sorted(range(len(children)), key=lambda i: -tree.scores[children[i]])[:k]  # ties: older first
             frontier = [children[i] for i in best]
-            frontier_hidden = out.hidden_states[0][to_device([i // k for i in best], device)]
+            frontier_hidden = out.hidden_states[:, to_device([i // k for i in best], device)]  # [1, n, H]
             best_score = max(tree.scores[node] for node in frontier)
             if rounds == max_rounds or tree.room_below([best_score], self.tree_budget) == [0]:
                 break  # children score below their parents: none could survive pruning
             # the frontier's ancestors' entries, then each node's own new entry
             visible = numpy.concatenate([visible[[i // k for i in best]], numpy.eye(len(frontier), dtype=bool)], 1)
-            inputs = to_device([[tree.tokens[n] for n in frontier], [tree.depths[n] for n in frontier]], device)
-            out = self._draft_round(frontier_hidden, inputs[0], self.root_position + inputs[1], visible)
+            inputs = to_device([[tree.tokens[n] for n in frontier],
+                                [self.root_position + tree.depths[n] for n in frontier]], device)  # fmt: skip
+            out = self._draft_round(frontier_hidden, inputs[:1], inputs[1:], visible)
             children_top = self._read([self._top_k(out.logits[0])])
         truncate_cache(self.cache, self.committed_entries)
         self.stats.blocks_per_iteration.append(rounds)
@@ -139,12 +140,12 @@ class Eagle3CandidateGenerator(TreeCandidateGenerator):
     def _draft_round(
         self, hidden: torch.Tensor, tokens: torch.LongTensor, positions: torch.LongTensor, visible: numpy.ndarray
     ) -> Eagle3Output:
-        """One drafter forward over the n frontier nodes (their producing states [n, H], tokens [n], rotary positions
-        [n]), each seeing the committed cache and `visible` [n, T] of this iteration's T drafter entries (its
-        ancestors' and its own, the last n)."""
+        """One drafter forward over the n frontier nodes (their producing states [1, n, H], tokens [1, n], rotary
+        positions [1, n]), each seeing the committed cache and `visible` [n, T] of this iteration's T drafter entries
+        (its ancestors' and its own, the last n)."""
         mask = numpy.concatenate([numpy.ones((len(visible), self.committed_entries), dtype=bool), visible], axis=1)
         out = compiled_method(self.drafter, "draft_step")(
-            hidden[None], tokens[None], positions[None], to_device(mask, hidden.device)[None], self.cache
+            hidden, tokens, positions, to_device(mask[None], hidden.device), self.cache
         )
         self.stats.drafter_forwards += 1
         return out
@@ -157,7 +158,8 @@ class Eagle3CandidateGenerator(TreeCandidateGenerator):
     @staticmethod
     def _read(tops: list[tuple[torch.Tensor, torch.LongTensor]]) -> list[list[tuple[list[float], list[int]]]]:
         """`_top_k` outputs -> per output, per row (log-probs, ids) on the host, all in ONE host read."""
-        rows = torch.cat([torch.stack([lp.double(), ids.double()], dim=1) for lp, ids in tops]).tolist()  # [n][2][k]
+        # float32 holds every id exactly (vocabularies < 2^24 tokens)
+        rows = torch.cat([torch.stack([lp, ids.float()], dim=1) for lp, ids in tops]).tolist()  # [n][2][k]
         out, offset = [], 0
         for lp, _ in tops:
             out.append([(row_lp, [int(t) for t in row_ids]) for row_lp, row_ids in rows[offset : offset + lp.shape[0]]])

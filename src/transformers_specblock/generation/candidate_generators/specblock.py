@@ -86,13 +86,13 @@ class SpecBlockCandidateGenerator(TreeCandidateGenerator):
         """One drafter forward appending K slot entries per position to the drafter cache; the head runs on the last
         position only (the one whose block 1 starts the next tree)."""
         num_pos, device = next_tokens.shape[0], self.drafter.device
-        mask = to_device(host_block_causal_mask(num_pos, self.block_size, self.committed_entries), device)
+        mask = to_device(host_block_causal_mask(num_pos, self.block_size, self.committed_entries)[None], device)
         positions = torch.arange(first_position, first_position + num_pos, device=device)[None]
         out = compiled_method(self.drafter, "draft_blocks")(
             self.drafter.project_condition(target_features)[None],
             next_tokens.to(device)[None],
             positions,
-            mask[None],
+            mask,
             self.cache,
             logits_to_keep=1,
         )
@@ -141,12 +141,12 @@ class SpecBlockCandidateGenerator(TreeCandidateGenerator):
             # one copy: the start slots among the round's [B * K] states, the start tokens, their positions
             inputs = to_device([[block * parent_slots + slot for _, block, slot, _ in chosen],
                                 [tree.tokens[n] for n in start_nodes], positions], device)  # fmt: skip
-            mask = followup_block_mask(inherited, num_slots, self.committed_entries - k_slots, device)
+            mask = followup_block_mask(inherited, num_slots, self.committed_entries - k_slots, device)  # [1, R, S]
             out = compiled_method(self.drafter, "draft_blocks")(
                 rnd.hidden.flatten(0, 1)[inputs[:1]],  # [1, blocks, H]
                 inputs[1:2],
                 inputs[2:],
-                mask[None],
+                mask,
                 self.cache,
                 num_slots=num_slots,
             )

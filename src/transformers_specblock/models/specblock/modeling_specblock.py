@@ -48,7 +48,7 @@ def host_block_causal_mask(num_positions: int, block_size: int, past_length: int
 def followup_block_mask(
     inherited: numpy.ndarray, block_size: int, prefix_length: int, device: torch.device | str
 ) -> torch.BoolTensor:
-    """[B*K, prefix + T + B*K] visibility for B follow-up blocks drafted in one batch.
+    """[1, B*K, prefix + T + B*K] visibility for B follow-up blocks drafted in one batch (a batch of one sequence).
 
     inherited: [B, T] bool, which of the T drafting-time cache entries (block 1's and earlier rounds' slots) each
     block sees. Every block also sees the committed prefix and slots 0..k of itself, never another new block.
@@ -61,7 +61,7 @@ def followup_block_mask(
     mask[:, prefix_length : prefix_length + num_inherited] = inherited.repeat(block_size, axis=0)
     own = host_block_causal_mask(1, block_size, 0)  # [K, K]: slots 0..k of the block itself
     mask[:, prefix_length + num_inherited :] = numpy.kron(numpy.eye(num_blocks, dtype=bool), own)
-    return to_device(mask, device)
+    return to_device(mask[None], device)
 
 
 @dataclass
