@@ -193,7 +193,8 @@ class SpecBlockDraftModel(SpecBlockPreTrainedModel):
         cond = self.condition_norm(condition)  # [B, P, H]
         tok = self.token_norm(self.embed_target_tokens(input_ids))  # [B, P, H_t]
         # fusion(concat(cond, tok, query)) computed as W_ct [cond; tok] + W_q query: one matmul per position.
-        per_position = F.linear(torch.cat([cond, tok], dim=-1), self.fusion.weight[:, : hidden + target_hidden])
+        w_ct = self.fusion.weight[:, : hidden + target_hidden]
+        per_position = F.linear(torch.cat([cond, tok], dim=-1), w_ct)  # [B, P, H]
         h = (per_position[:, :, None, :] + self.slot_inputs(k_slots)).reshape(batch, num_pos * k_slots, hidden)
 
         slot_positions = position_ids[:, :, None] + torch.arange(k_slots, device=position_ids.device)
