@@ -226,7 +226,7 @@ def test_a_16bit_batch_scores_each_row_alone_and_keeps_its_largest_gap():
         kwargs = {"do_sample": False, "max_new_tokens": 12, "pad_token_id": tokenizer.eos_token_id}
         reference = _new_tokens(target.generate(**inputs, **kwargs), width, eos)
         tokens = _new_tokens(target.generate(**inputs, **kwargs, repetition_penalty=8.0), width, eos)
-        gaps = {}
+        gaps = []  # (position, float32 gap) of each diverging row
         for row, text in enumerate(rows):
             if reference[row] == tokens[row]:
                 continue
@@ -234,8 +234,8 @@ def test_a_16bit_batch_scores_each_row_alone_and_keeps_its_largest_gap():
             prompt = tokenizer(text["text"], add_special_tokens=False)["input_ids"]
             with torch.no_grad():
                 logits = float32_target(torch.tensor([prompt + reference[row][:position]])).logits[0, -1]
-            gaps[position] = abs(float(logits[reference[row][position]] - logits[tokens[row][position]]))
-        position, gap = max(gaps.items(), key=lambda item: item[1])
+            gaps.append((position, abs(float(logits[reference[row][position]] - logits[tokens[row][position]]))))
+        position, gap = max(gaps, key=lambda item: item[1])
         assert batch.divergence_position == position and batch.fp32_gap == pytest.approx(gap, rel=1e-4)
 
 
