@@ -23,6 +23,7 @@ from transformers_specblock import (
     load_packaged_model,
     load_prompts,
 )
+from transformers_specblock.commands.benchmark import _new_tokens
 from transformers_specblock.commands.exactness import (
     NEAR_TIE_GAP,
     first_divergence,
@@ -140,11 +141,11 @@ def test_bfloat16_batched_tree_decoding_leaves_plain_batched_greedy_only_at_near
         texts = prompts["text"][start : start + 4]
         inputs = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
         assert not inputs["attention_mask"].all(), "equal prompt lengths: padding is not exercised"
-        width = inputs["input_ids"].shape[1]
+        width, eos = inputs["input_ids"].shape[1], {tokenizer.eos_token_id}
         kwargs = {"do_sample": False, "max_new_tokens": 48, "pad_token_id": tokenizer.pad_token_id}
-        reference = target.generate(**inputs, **kwargs)[:, width:].tolist()
+        reference = _new_tokens(target.generate(**inputs, **kwargs), width, eos)  # each row up to its EOS
         for name, drafter in drafters.items():
-            out = target.generate(**inputs, assistant_model=drafter, **kwargs)[:, width:].tolist()
+            out = _new_tokens(target.generate(**inputs, assistant_model=drafter, **kwargs), width, eos)
             accepted += drafter.last_stats.accepted_per_iteration
             divergence = first_divergence_in_batch(
                 float32_target, inputs["input_ids"], inputs["attention_mask"], reference, out
