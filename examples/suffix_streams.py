@@ -33,6 +33,7 @@ from transformers_specblock import Eagle3DraftModel, LookupTreeModel, SpecBlockD
 from transformers_specblock.generation.candidate_generators import CANDIDATE_GENERATOR_MAPPING
 from transformers_specblock.generation.candidate_generators.lookup_tree import LookupTreeCandidateGenerator
 from transformers_specblock.generation.suffix_cache import SuffixStore, suffix_cache_for
+from transformers_specblock.generation.suffix_index import SuffixAutomaton
 from transformers_specblock.generation.tree import DraftTree
 from transformers_specblock.hub.loading import load_model
 from transformers_specblock.hub.prompts import _package_file, load_prompts, load_sharegpt_conversations
@@ -68,6 +69,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--fixed_budget", type=int, default=0,
                         help="every tree method at this fixed budget instead of auto (a tau comparison)")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                        help="bfloat16 where the host has native bfloat16 (AVX512-BF16 / AMX)")
     parser.add_argument("--store_memory", type=int, default=0,
                         help="instead: fill stores bounded at 16384 and 65536 tokens with this many ShareGPT "
                              "conversations (600 tokens each at most) and measure their memory (tracemalloc)")  # fmt: skip
@@ -181,7 +184,7 @@ def make_drafter(method: str, target, ladder: list[int], peer_cls, fixed_budget:
         return PeerModel(config, peer_cls(max_tree_depth=24, max_cached_requests=256))
     if method in ("specblock+suffix", "eagle3+suffix"):
         cls, name = (SpecBlockDraftModel, "specblock") if method.startswith("specblock") else (Eagle3DraftModel, "eagle3")
-        drafter = cls.from_pretrained(f"{name}-smollm2-135m-instruct").eval()
+        drafter = cls.from_pretrained(f"{name}-smollm2-135m-instruct", dtype=target.dtype).eval()
         for key, value in {**auto, **FREE}.items():
             setattr(drafter.config, key, value)
         drafter.config.validate_settings()
@@ -244,9 +247,39 @@ def run_stream(stream: str, methods: list[str], target, tokenizer, args, peer_cl
     return rows
 
 
-def summarise(rows: list[dict]) -> dict:
+def copy_bound(requests: list[tuple[list[int], int]], node_cap: int) -> float:
+    """Tokens per target forward that NO drafter copying what it has seen could beat with at most `node_cap` nodes:
+    each step accepts the longest continuation (<= node_cap) that follows an earlier occurrence of the root token
+    in the text seen so far (this request's prompt and committed answer, and every earlier request: prompt lookup,
+    suffix trees local and global, SuffixDecoding), or whose every token completes a trigram seen so far (an
+    order-2 n-gram walk), as if the drafter always chose that branch. requests: (prompt + answer ids, prompt length)
+    in stream order, the answers plain `generate`'s. Counted as the benchmark counts: the prefill is a forward."""
+    seen, trigrams, tokens, forwards = SuffixAutomaton(), set(), 0, 0
+    for ids, prompt_length in requests:
+        seen.start_sequence()
+        for token in ids[: prompt_length + 1]:  # the prompt, and the first token (the prefill's forward)
+            seen.append(token)
+        trigrams.update(zip(ids[: prompt_length + 1], ids[1 : prompt_length + 1], ids[2 : prompt_length + 1]))
+        forwards, i = forwards + 1, prompt_length + 1
+        while i < len(ids):  # a step: ids[i - 1] is the root, committed
+            state, copied = seen.next[0][ids[i - 1]], 0
+            while copied < node_cap and i + copied < len(ids) and ids[i + copied] in seen.next[state]:
+                state, copied = seen.next[state][ids[i + copied]], copied + 1
+            walked = 0
+            while walked < node_cap and i + walked < len(ids) and tuple(ids[i + walked - 2 : i + walked + 1]) in trigrams:
+                walked += 1
+            end = min(len(ids), i + max(copied, walked) + 1)  # the accepted tokens and the target's next one
+            for token in ids[i:end]:
+                seen.append(token)
+            trigrams.update(zip(ids[i - 2 : end], ids[i - 1 : end], ids[i:end]))
+            forwards, i = forwards + 1, end
+        tokens += len(ids) - prompt_length
+    return tokens / forwards
+
+
+def summarise(rows: list[dict], node_cap: int) -> dict:
     """Per stream and method: tokens per target forward (exact), speed-up vs plain (median of per-call ratios),
-    identical outputs, the store's size."""
+    identical outputs, the store's size; for plain also the copy bound at `node_cap` nodes (`copy_bound`)."""
     out: dict[str, dict] = {}
     by_key = {(r["stream"], r["method"], r["request"]): r for r in rows}
     for stream in dict.fromkeys(r["stream"] for r in rows):
@@ -269,6 +302,10 @@ def summarise(rows: list[dict]) -> dict:
                                            for k in mine[0]["accepted_by_source"]}}
                    if "accepted_by_source" in mine[0] else {}),  # fmt: skip
             }
+        plain = sorted((r for r in rows if r["stream"] == stream and r["method"] == "plain"), key=lambda r: r["request"])
+        if plain:
+            requests = [(r["output"], r["prompt_tokens"]) for r in plain]
+            out[stream]["plain"]["copy_bound_tokens_per_target_forward"] = round(copy_bound(requests, node_cap), 3)
     return out
 
 
@@ -278,9 +315,12 @@ def write_report(summary: dict, meta: dict, output_dir: Path) -> None:
     lines = [f"hardware: {meta['hardware']}; {meta['num_prompts']} requests per stream x {meta['max_new_tokens']} "
              "new tokens, greedy; tau = new tokens per target forward (exact); speed-up = median of per-call ratios "
              "to plain (a shared CPU: noisy)", "",
-             "| stream | " + " | ".join(methods) + " |", "|---|" + "---|" * len(methods)]  # fmt: skip
+             "copy bound = tokens per target forward no drafter copying seen text can beat at the node cap "
+             "(`copy_bound`)", "",
+             "| stream | copy bound | " + " | ".join(methods) + " |", "|---|---|" + "---|" * len(methods)]  # fmt: skip
     for stream, per in summary.items():
-        cells = [f"{per[m]['tokens_per_target_forward']:.2f} / {per[m]['speedup_vs_plain_median']:.2f}x"
+        bound = per.get("plain", {}).get("copy_bound_tokens_per_target_forward")
+        cells = [f"{bound:.2f}" if bound else "-"] + [f"{per[m]['tokens_per_target_forward']:.2f} / {per[m]['speedup_vs_plain_median']:.2f}x"
                  + ("" if per[m]["identical_to_plain"] else " (DIFFERS)") if m in per else "-" for m in methods]  # fmt: skip
         lines.append(f"| {stream} | " + " | ".join(cells) + " |")
     (output_dir / "results.md").write_text("\n".join(lines) + "\n")
@@ -330,7 +370,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     output_dir = Path(args.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
-    target, tokenizer = load_model(args.target_model, device="cpu", dtype="float32")
+    target, tokenizer = load_model(args.target_model, device="cpu", dtype=args.dtype)
     if args.store_memory:
         memory = measure_store_memory(tokenizer, args.store_memory)
         (output_dir / "store_memory.json").write_text(json.dumps(memory, indent=1))
@@ -348,13 +388,13 @@ def main() -> None:
         for stream in args.streams.split(","):
             rows += run_stream(stream, methods, target, tokenizer, args, peer_cls, counter, log)
     meta = {
-        "hardware": describe_hardware("cpu", "float32", "float32") + f", {torch.get_num_threads()} threads",
+        "hardware": describe_hardware("cpu", args.dtype, args.dtype) + f", {torch.get_num_threads()} threads",
         "target": args.target_model, "num_prompts": args.num_prompts, "max_new_tokens": args.max_new_tokens,
         "budget_candidates": args.budget_candidates, "fixed_budget": args.fixed_budget, "free_candidates": FREE, "command": " ".join(sys.argv),
         "peer": "arctic-inference 0.3.0 SuffixDecodingCache(max_tree_depth=24, max_cached_requests=256), "
                 "speculate(max_spec_tokens=<budget>, use_tree_spec=True)" if peer_cls else "not built",
     }  # fmt: skip
-    write_report(summarise(rows), meta, output_dir)
+    write_report(summarise(rows, args.fixed_budget or max(ladder)), meta, output_dir)
 
 
 if __name__ == "__main__":
