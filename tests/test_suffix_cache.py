@@ -5,9 +5,11 @@ target with another vocabulary."""
 from __future__ import annotations
 
 import gc
+import importlib.util
 import json
 import random
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -253,3 +255,40 @@ def test_a_long_remembered_stretch_is_verified_long_under_auto(one_thread):
     assert out[0].tolist() == first[0, : out.shape[1]].tolist()
     stats = drafter.last_stats
     assert stats.tau > 10 and sorted(stats.accepted_per_iteration)[-2] >= 20, stats.accepted_per_iteration
+
+
+def _copy_bound():
+    """`copy_bound` of the stream benchmark (examples/suffix_streams.py: not a package module)."""
+    path = Path(__file__).parents[1] / "examples" / "suffix_streams.py"
+    spec = importlib.util.spec_from_file_location("suffix_streams", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.copy_bound
+
+
+def test_the_copy_bound_is_hand_computable_and_no_copying_drafter_beats_it(one_thread):
+    copy_bound = _copy_bound()
+    # prompt 5 1 2 3 4; answer 1 2 3 4 7: the prefill gives "1", one step copies "2 3 4" after the earlier "1" and
+    # the target adds "7": 5 tokens in 2 forwards; with 2 nodes "2 3" + "4", then "7": 3 forwards
+    request = ([5, 1, 2, 3, 4, 1, 2, 3, 4, 7], 5)
+    assert copy_bound([request], node_cap=32) == 5 / 2 and copy_bound([request], node_cap=2) == 5 / 3
+    # an answer copied from an earlier request (not from its own prompt) is copyable only after that request
+    assert copy_bound([([8, 9, 1, 2, 3, 4], 2), ([7, 1, 2, 3, 4], 1)], node_cap=32) == (4 + 4) / (4 + 2)
+    # real decoding: every free source (prompt lookup, n-gram cache, suffix cache within and across requests) at a
+    # budget of 8 nodes stays at or under the bound of its own stream, and close to it on this repetitive text
+    target = make_target("llama", vocab_size=64, seed=1)
+    forwards = []
+    target.register_forward_pre_hook(lambda module, args: forwards.append(1))
+    drafter = LookupTreeModel.from_target(
+        target, tree_budget=8, prompt_lookup_num_tokens=10, ngram_cache_num_tokens=8, suffix_cache_num_tokens=32,
+        suffix_local_num_tokens=32,
+    )  # fmt: skip
+    prompt = torch.randint(1, 64, (1, 8), generator=torch.Generator().manual_seed(5))
+    requests, served = [], 0
+    for _ in range(3):
+        out = _served(target, drafter, prompt, tokens=40)
+        requests.append((out[0].tolist(), prompt.shape[1]))
+        served += out.shape[1] - prompt.shape[1]
+        prompt = torch.cat([prompt[:, :4], out[:, 10:20]], dim=1)  # the next request quotes this answer
+    tau, bound = served / len(forwards), copy_bound(requests, node_cap=8)
+    assert 1.0 < tau <= bound + 1e-9
