@@ -21,7 +21,8 @@ class SpecBlockConfig(TreeDrafterConfig):
         rank_bucket_upper_bounds: Upper rank bound of every rank-head class but the last; the default (1, 4, 10) gives
             the classes rank 1 / 2-4 / 5-10 / >10.
         branch_widths: Candidates drafted at a slot (greedy token included) per predicted rank class; 0 ends the
-            branch at that slot.
+            branch at that slot. The default (2, 4, 6, 4) is the method's tuned widths: (2, 4, 6, 0), where class 3
+            (rank > 10) gives up, drafts almost nothing with a young drafter (docs/training.md).
         tree_policy: "rank" (rank-guided widths) or "fixed" (`fixed_width` candidates at every slot; an ablation).
         fixed_width: Candidates per slot when `tree_policy="fixed"`.
         max_blocks: Block rounds per iteration (1 = block 1 only).
@@ -50,7 +51,7 @@ class SpecBlockConfig(TreeDrafterConfig):
         num_hidden_layers: int = 2,
         block_size: int = 4,
         rank_bucket_upper_bounds: list[int] | tuple[int, ...] = (1, 4, 10),
-        branch_widths: list[int] | tuple[int, ...] = (2, 4, 6, 0),
+        branch_widths: list[int] | tuple[int, ...] = (2, 4, 6, 4),
         tree_policy: str = "rank",
         fixed_width: int = 3,
         max_blocks: int = 2,
