@@ -40,7 +40,7 @@ class SuffixSettings:
 
     suffix_cache_num_tokens: int = 0
     suffix_local_num_tokens: int = 0
-    suffix_cache_spec_factor: float = 1.0
+    suffix_cache_spec_factor: float = 4.0
     suffix_cache_min_token_prob: float = 0.1
     suffix_cache_max_tokens: int = 65536
     suffix_cache_max_requests: int = 256

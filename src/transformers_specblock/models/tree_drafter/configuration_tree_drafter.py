@@ -90,7 +90,9 @@ class TreeDrafterConfig(PretrainedConfig):
             longest earlier occurrence of the text's end proposes a frequency-scored tree of up to this many nodes.
         suffix_local_num_tokens: The same matching within the current prompt and answer (0 = off).
         suffix_cache_spec_factor: A suffix-cache tree has at most this many nodes per matched token (SuffixDecoding's
-            `max_spec_factor`): a long match is drafted long.
+            `max_spec_factor`): a long match is drafted long. 4 (SuffixDecoding's default is 1): the learnt scores
+            and the tree budget prune what is proposed, and short matches proposing more measured higher tau on
+            every request stream (docs/benchmarks.md).
         suffix_cache_min_token_prob: Suffix-cache nodes whose frequency-estimated probability falls below this are
             left out.
         suffix_cache_max_tokens / suffix_cache_max_requests: Bounds of the memory (tokens and requests kept; the
@@ -155,7 +157,7 @@ class TreeDrafterConfig(PretrainedConfig):
         ngram_cache_order: int = 2,
         suffix_cache_num_tokens: int = 0,
         suffix_local_num_tokens: int = 0,
-        suffix_cache_spec_factor: float = 1.0,
+        suffix_cache_spec_factor: float = 4.0,
         suffix_cache_min_token_prob: float = 0.1,
         suffix_cache_max_tokens: int = 65536,
         suffix_cache_max_requests: int = 256,
