@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import importlib.util
+from pathlib import Path
+from types import ModuleType
+
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
@@ -21,6 +25,14 @@ TINY = dict(
     eos_token_id=None,
     pad_token_id=None,
 )
+
+
+def load_example(name: str) -> ModuleType:
+    """The script examples/<name>.py as a module (examples are not a package)."""
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).parents[1] / "examples" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def make_target(family: str = "llama", vocab_size: int = 128, seed: int = 0, attn: str = "sdpa", **overrides):

@@ -4,7 +4,6 @@ and the Hub is switched to offline mode where a lookup must fail fast."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 from types import SimpleNamespace
@@ -14,7 +13,7 @@ import pytest
 import torch
 from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
 
-from conftest import make_drafter, make_target
+from conftest import load_example, make_drafter, make_target
 from transformers_specblock.hub import assets
 from transformers_specblock.hub.loading import load_model, resolve_device, resolve_dtype
 
@@ -161,11 +160,7 @@ def test_load_model_auto_dtype_on_a_gpu_names_a_missing_hub_id(monkeypatch, offl
 
 # ------------------------------------------------------------------------------------------------ entry points
 def _evaluate_drafter_main():
-    path = Path(__file__).parents[1] / "examples" / "evaluate_drafter.py"
-    spec = importlib.util.spec_from_file_location("evaluate_drafter", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.main
+    return load_example("evaluate_drafter").main
 
 
 def _entry_point(name: str, tmp_path: Path):

@@ -5,16 +5,14 @@ target with another vocabulary."""
 from __future__ import annotations
 
 import gc
-import importlib.util
 import json
 import random
 import threading
-from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import make_drafter, make_target
+from conftest import load_example, make_drafter, make_target
 from test_dflash import make_dflash
 from test_eagle3 import make_eagle3
 from test_sampling_lossless import ALPHA, exact_marginals, fit_pvalues, sample_counts
@@ -257,17 +255,8 @@ def test_a_long_remembered_stretch_is_verified_long_under_auto(one_thread):
     assert stats.tau > 10 and sorted(stats.accepted_per_iteration)[-2] >= 20, stats.accepted_per_iteration
 
 
-def _copy_bound():
-    """`copy_bound` of the stream benchmark (examples/suffix_streams.py: not a package module)."""
-    path = Path(__file__).parents[1] / "examples" / "suffix_streams.py"
-    spec = importlib.util.spec_from_file_location("suffix_streams", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.copy_bound
-
-
 def test_the_copy_bound_is_hand_computable_and_no_copying_drafter_beats_it(one_thread):
-    copy_bound = _copy_bound()
+    copy_bound = load_example("suffix_streams").copy_bound
     # prompt 5 1 2 3 4; answer 1 2 3 4 7: the prefill gives "1", one step copies "2 3 4" after the earlier "1" and
     # the target adds "7": 5 tokens in 2 forwards; with 2 nodes "2 3" + "4", then "7": 3 forwards
     request = ([5, 1, 2, 3, 4, 1, 2, 3, 4, 7], 5)
