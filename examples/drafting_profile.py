@@ -74,7 +74,6 @@ def main() -> None:
     for e in events:
         if e.name in MATRIX_PRODUCTS and any(a <= e.time_range.start and e.time_range.end <= b for a, b in spans):
             by_shape[f"{e.name} {[tuple(s) for s in e.input_shapes if s]}"] += e.self_cpu_time_total
-    per_iteration = lambda us: round(us / 1e3 / iterations, 2)  # noqa: E731
     drafting_ms, forward_ms = drafting_s * 1e3 / iterations, forward_us / 1e3 / iterations
     products_ms = sum(by_shape.values()) / 1e3 / iterations
     result = {
@@ -83,7 +82,9 @@ def main() -> None:
         "forwards_ms_per_iteration": round(forward_ms, 2), "matrix_products_ms_per_iteration": round(products_ms, 2),
         "matrix_product_share_of_forwards": round(products_ms / forward_ms, 3),
         "compile_bound": round(drafting_ms / (drafting_ms - forward_ms + products_ms), 3),
-        "matrix_products_by_shape_ms_per_iteration": {k: per_iteration(v) for k, v in by_shape.most_common(8)},
+        "matrix_products_by_shape_ms_per_iteration": {
+            shape: round(us / 1e3 / iterations, 2) for shape, us in by_shape.most_common(8)
+        },
     }  # fmt: skip
     print(json.dumps(result, indent=1))
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)

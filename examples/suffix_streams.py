@@ -254,24 +254,24 @@ def copy_bound(requests: list[tuple[list[int], int]], node_cap: int) -> float:
     suffix trees local and global, SuffixDecoding), or whose every token completes a trigram seen so far (an
     order-2 n-gram walk), as if the drafter always chose that branch. requests: (prompt + answer ids, prompt length)
     in stream order, the answers plain `generate`'s. Counted as the benchmark counts: the prefill is a forward."""
-    seen, trigrams, tokens, forwards = SuffixAutomaton(), set(), 0, 0
+    seen, seen_3, tokens, forwards = SuffixAutomaton(), set(), 0, 0
     for ids, prompt_length in requests:
         seen.start_sequence()
         for token in ids[: prompt_length + 1]:  # the prompt, and the first token (the prefill's forward)
             seen.append(token)
-        trigrams.update(zip(ids[: prompt_length + 1], ids[1 : prompt_length + 1], ids[2 : prompt_length + 1]))
+        seen_3.update(zip(ids[: prompt_length + 1], ids[1 : prompt_length + 1], ids[2 : prompt_length + 1]))
         forwards, i = forwards + 1, prompt_length + 1
         while i < len(ids):  # a step: ids[i - 1] is the root, committed
             state, copied = seen.next[0][ids[i - 1]], 0
             while copied < node_cap and i + copied < len(ids) and ids[i + copied] in seen.next[state]:
                 state, copied = seen.next[state][ids[i + copied]], copied + 1
-            walked = 0
-            while walked < node_cap and i + walked < len(ids) and tuple(ids[i + walked - 2 : i + walked + 1]) in trigrams:
+            walked = 0  # the n-gram walk: each token completes a trigram seen so far
+            while walked < node_cap and i + walked < len(ids) and tuple(ids[i + walked - 2 : i + walked + 1]) in seen_3:
                 walked += 1
             end = min(len(ids), i + max(copied, walked) + 1)  # the accepted tokens and the target's next one
             for token in ids[i:end]:
                 seen.append(token)
-            trigrams.update(zip(ids[i - 2 : end], ids[i - 1 : end], ids[i:end]))
+            seen_3.update(zip(ids[i - 2 : end], ids[i - 1 : end], ids[i:end]))
             forwards, i = forwards + 1, end
         tokens += len(ids) - prompt_length
     return tokens / forwards
@@ -302,9 +302,9 @@ def summarise(rows: list[dict], node_cap: int) -> dict:
                                            for k in mine[0]["accepted_by_source"]}}
                    if "accepted_by_source" in mine[0] else {}),  # fmt: skip
             }
-        plain = sorted((r for r in rows if r["stream"] == stream and r["method"] == "plain"), key=lambda r: r["request"])
+        plain = [r for r in rows if r["stream"] == stream and r["method"] == "plain"]
         if plain:
-            requests = [(r["output"], r["prompt_tokens"]) for r in plain]
+            requests = [(r["output"], r["prompt_tokens"]) for r in sorted(plain, key=lambda r: r["request"])]
             out[stream]["plain"]["copy_bound_tokens_per_target_forward"] = round(copy_bound(requests, node_cap), 3)
     return out
 
@@ -320,7 +320,8 @@ def write_report(summary: dict, meta: dict, output_dir: Path) -> None:
              "| stream | copy bound | " + " | ".join(methods) + " |", "|---|---|" + "---|" * len(methods)]  # fmt: skip
     for stream, per in summary.items():
         bound = per.get("plain", {}).get("copy_bound_tokens_per_target_forward")
-        cells = [f"{bound:.2f}" if bound else "-"] + [f"{per[m]['tokens_per_target_forward']:.2f} / {per[m]['speedup_vs_plain_median']:.2f}x"
+        cells = [f"{bound:.2f}" if bound else "-"]
+        cells += [f"{per[m]['tokens_per_target_forward']:.2f} / {per[m]['speedup_vs_plain_median']:.2f}x"
                  + ("" if per[m]["identical_to_plain"] else " (DIFFERS)") if m in per else "-" for m in methods]  # fmt: skip
         lines.append(f"| {stream} | " + " | ".join(cells) + " |")
     (output_dir / "results.md").write_text("\n".join(lines) + "\n")
