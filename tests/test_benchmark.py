@@ -110,24 +110,27 @@ def test_cli_methods_take_a_tree_budget_and_auto_is_measured_in_warm_up(tmp_path
     target, tokenizer, prompts, _, specblock = tiny_setup()
     specblock.save_pretrained(tmp_path / "drafter")
     args = BenchArguments(
-        target_model="tiny", methods="plain,specblock@4,specblock_one_block@auto,prompt_lookup",
+        target_model="tiny", methods="plain,specblock@4,specblock_one_block@auto,prompt_lookup,plain_control",
         specblock_model=str(tmp_path / "drafter"), tree_budget="12",
     )  # fmt: skip
     methods = build_methods(args, target)
-    assert [m.name for m in methods] == ["specblock@4", "specblock_one_block@auto", "prompt_lookup"]
+    assert [m.name for m in methods] == ["specblock@4", "specblock_one_block@auto", "prompt_lookup", "plain_control"]
+    assert methods[3].generate_kwargs == {} and methods[3].tree_settings == {}  # plain generate, timed as a method
     assert methods[0].tree_settings == {"tree_budget": 4}
     assert methods[1].tree_settings == {"max_blocks": 1, "tree_budget": "auto"}
     assert methods[0].generate_kwargs["assistant_model"] is methods[1].generate_kwargs["assistant_model"]
-    for bad, message in [("prompt_lookup@4", "only tree methods"), ("specblock@0", "positive int"),
+    for bad, message in [("prompt_lookup@4", "only tree methods"), ("plain_control@8", "only tree methods"), ("specblock@0", "positive int"),
                          ("specblock@big", "positive int"), ("medusa", "Unknown method")]:  # fmt: skip
         with pytest.raises(ValueError, match=message):
             build_methods(BenchArguments(target_model="tiny", methods=bad, specblock_model=str(tmp_path / "drafter")),
                           target)  # fmt: skip
 
     drafter = methods[1].generate_kwargs["assistant_model"]
-    results = run_benchmark(target, tokenizer, prompts.select(range(1)), methods[:2], max_new_tokens=8)
+    results = run_benchmark(target, tokenizer, prompts.select(range(1)), [*methods[:2], methods[3]], max_new_tokens=8)
     assert drafter.__dict__.get("_auto_budget") is not None  # the one-off cost measurement ran
     assert all(r.identical_to_reference for r in results.prompts)
+    control = next(r for r in results.prompts if r.method == "plain_control")
+    assert control.tau is None and control.seconds > 0
     if sys.platform == "linux":
         assert all(r.peak_memory_mb > 0 for r in results.prompts)  # the process' peak RSS
 

@@ -32,6 +32,7 @@ from .exactness import NEAR_TIE_GAP, first_divergence_in_batch, float32_copy
 logger = logging.get_logger(__name__)
 
 REFERENCE = "plain"
+CONTROL = "plain_control"  # plain `generate` timed again as a method: the A/A ratio that shows a run's noise floor
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # targets whose divergences get a float32 gap
 
 

@@ -27,7 +27,7 @@ from ..hub.prompts import load_prompts
 from ..hub.loading import DEVICE_HELP, DTYPE_CHOICES, DTYPE_HELP, load_model
 from ..hub.provenance import describe_device
 from ..hub.shipped import SHIPPED_DRAFTERS, resolve_drafter_path
-from .benchmark import REFERENCE, Method, run_benchmark
+from .benchmark import CONTROL, REFERENCE, Method, run_benchmark
 from .report import write_report
 from .errors import command
 from ..models.lookup_tree.modeling_lookup_tree import LookupTreeModel
@@ -81,7 +81,9 @@ class BenchArguments:
     methods: str = field(
         default="plain,prompt_lookup,specblock",
         metadata={
-            "help": "Comma list of: plain (always run, the reference), prompt_lookup (transformers'), assisted, "
+            "help": "Comma list of: plain (always run, the reference), plain_control (plain `generate` timed once more "
+            "as if it were a method: its ratio to plain is the run's noise floor), prompt_lookup (transformers'), "
+            "assisted, "
             "specblock, specblock_fixed_tree, specblock_one_block, eagle3, lookup_tree (prompt lookup and an n-gram "
             "cache as a tree, no drafter), specblock+lookup, eagle3+lookup (the drafter's tree with those free "
             "candidates), dflash (a DFlash drafter's best-first tree), dflash_chain (the same drafter in "
@@ -214,7 +216,9 @@ def build_methods(args: BenchArguments, target) -> list[Method]:
         name, _, budget = spec.partition("@")
         if budget and name not in TREE_METHODS:
             raise ValueError(f"{spec!r}: only tree methods ({', '.join(TREE_METHODS)}) take an @budget.")
-        if name == "prompt_lookup":
+        if name == CONTROL:  # plain generate under another name: what a method doing plain's work measures
+            methods.append(Method(spec))
+        elif name == "prompt_lookup":
             methods.append(Method(spec, {"prompt_lookup_num_tokens": args.prompt_lookup_num_tokens}))
         elif name == "assisted":
             if not args.assistant_model:
