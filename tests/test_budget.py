@@ -49,6 +49,23 @@ def test_auto_budget_counts_what_each_budget_would_have_accepted():
     assert chooser.choose() == 4  # equal costs: the most accepted (the smallest such)
 
 
+def test_the_warm_up_drafts_the_largest_tree_that_costs_at_most_two_plain_steps():
+    """A first call must not pay for trees that cannot pay: on a CPU-like curve (the float32 SmolLM2 curve of this
+    project's AMD host: 32 nodes cost 2.5 plain steps) the warm-up drafts 16 nodes, on a flat GPU-like curve the
+    largest candidate, and where even the smallest tree costs more than two steps (16 rows on a CPU) the smallest."""
+    candidates = [0, 2, 4, 8, 16, 24, 32]
+    cpu = TargetCost([0, 4, 8, 16, 24, 32], [71.2, 95.7, 95.7, 124.0, 149.7, 177.8])
+    chooser = AutoBudget(candidates, cpu, warmup=2)
+    assert chooser.warmup_budget() == chooser.next_budget() == 16
+    for _ in range(2):
+        chooser.observe(_chain(16), [1, 2], drafting_seconds=0.0, budget=16)
+    # 24 and 32 were never measured, but they wait for an exploration instead of being tried first
+    assert chooser.choose() in (0, 2, 4, 8, 16)
+    assert AutoBudget(candidates, TargetCost([0, 32], [10.0, 10.5]), warmup=2).choose() == 32
+    assert AutoBudget(candidates, TargetCost([0, 2, 32], [1.0, 2.3, 12.0]), warmup=2).choose() == 2
+    assert AutoBudget(candidates, cpu, warmup=2, warmup_cost=1.4).choose() == 8
+
+
 # A synthetic stream: the chooser's budget drafts a chain of that many nodes (so every tree is pruned to exactly
 # its budget), of which the first L are accepted, L drawn from the current regime.
 STREAM_COST = TargetCost([0, 2, 4, 8, 16], [1.0, 1.1, 1.25, 1.6, 2.4])  # CPU-like: every node costs time
@@ -139,6 +156,9 @@ def test_budget_validation():
     for bad in (0, -1, 2.5, True):
         with pytest.raises(ValueError, match="auto_budget_explore_interval"):
             make_drafter(target, tree_budget="auto", auto_budget_explore_interval=bad)
+    for bad in (0.5, "2", True):
+        with pytest.raises(ValueError, match="auto_budget_warmup_cost"):
+            make_drafter(target, tree_budget="auto", auto_budget_warmup_cost=bad)
 
 
 def test_auto_budget_in_generate_is_exact_and_picks_a_candidate():

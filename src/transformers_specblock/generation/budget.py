@@ -28,7 +28,11 @@ from typing import Callable
 
 from transformers import PreTrainedModel
 
-from ..models.tree_drafter.configuration_tree_drafter import DEFAULT_EXPLORE_INTERVAL, DEFAULT_EXPLORE_SHARE
+from ..models.tree_drafter.configuration_tree_drafter import (
+    DEFAULT_EXPLORE_INTERVAL,
+    DEFAULT_EXPLORE_SHARE,
+    DEFAULT_WARMUP_COST,
+)
 from ..models.tree_drafter.modeling_tree_drafter import TreeDraftModel
 from ..utils import RecentMean
 from .lookup import LookupSettings
@@ -78,7 +82,11 @@ class AutoBudget:
     and its tau and size are measured like any candidate's (`observe_free`), and until budget 0 has run, estimated
     from the free candidates' part of the drafted trees (`observe_free_part`).
 
-    Exploring: after `warmup` trees at the largest candidate, `next_budget` returns the best budget (`choose`),
+    Warming up: the first `warmup` trees are drafted at the largest candidate whose tree the live batch's target
+    verifies for at most `warmup_cost` plain steps (`warmup_budget`: the largest candidate on a GPU; on a CPU, where a
+    64-node tree costs several plain steps, a smaller one, so a first call does not pay for trees that cannot pay).
+
+    Exploring: after the warm-up, `next_budget` returns the best budget (`choose`),
     except on every `explore_interval`-th step, which drafts above it: the k-th exploration goes 1 + (trailing zeros
     of k) candidates up (capped at the largest), so the next larger candidate is measured at every exploration, the
     one above it at every second, and so on; from a choice that does not draft (0 or `PLAIN`) every second
@@ -90,6 +98,7 @@ class AutoBudget:
     candidates: list[int]
     cost: TargetCost
     warmup: int = 8
+    warmup_cost: float = DEFAULT_WARMUP_COST  # the warm-up's trees cost at most this many plain steps
     window: int = DEFAULT_WINDOW
     keep: int = DEFAULT_KEEP
     trees: int = 0  # verified trees observed
@@ -222,13 +231,22 @@ class AutoBudget:
             self.drafting.add(self.clock, drafting_seconds)
         self.trees += 1
 
-    def choose(self) -> int:
-        """The best budget now (no side effect): the largest while warming up, then a candidate never measured (the
-        largest such), then the argmax of tau(B) / (T_M(B) + T_D) (0 = no drafter call; `PLAIN` = not even the free
-        candidates, where they do not pay for their own time either)."""
-        if self.trees < self.warmup:
+    def warmup_budget(self) -> int:
+        """The largest candidate whose tree the live batch's target verifies for at most `warmup_cost` plain steps
+        (by the cost curve; at least the smallest candidate that drafts)."""
+        drafting = [b for b in self.ladder if b > 0]
+        if not drafting:
             return self.largest
-        unmeasured = [b for b, stat in self.tau.items() if not stat.count]
+        affordable = [b for b in drafting if self.cost(b) <= self.warmup_cost * self.cost(0)]
+        return max(affordable, default=drafting[0])
+
+    def choose(self) -> int:
+        """The best budget now (no side effect): `warmup_budget()` while warming up, then a candidate up to it never
+        measured (the largest such), then the argmax of tau(B) / (T_M(B) + T_D) (0 = no drafter call; `PLAIN` = not
+        even the free candidates, where they do not pay for their own time either)."""
+        if self.trees < self.warmup:
+            return self.warmup_budget()
+        unmeasured = [b for b, stat in self.tau.items() if not stat.count and b <= self.warmup_budget()]
         if unmeasured:
             return max(unmeasured)
         return self._best()
@@ -326,6 +344,7 @@ def auto_budget_for(drafter: TreeDraftModel, target: PreTrainedModel) -> AutoBud
         choosers[key] = AutoBudget(
             candidates, measure_target_cost(target, sizes),
             warmup=config.auto_budget_warmup,
+            warmup_cost=config.auto_budget_warmup_cost,
             free_at_zero=key[-1].enabled,
             min_gain=config.auto_budget_min_gain,
             measure=lambda batch_size: measure_target_cost(target, sizes, BATCH_CONTEXT, batch_size=batch_size),

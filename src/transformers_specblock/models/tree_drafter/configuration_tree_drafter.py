@@ -18,6 +18,7 @@ DEFAULT_CANDIDATES = (0, 2, 4, 8, 16, 24, 32, 48, 64)
 DEFAULT_EXPLORE_INTERVAL = 32  # verified steps between two trees drafted above the chosen budget
 DEFAULT_EXPLORE_SHARE = 0.02  # ... at least; and at most this share of the decoding time goes to exploring
 DEFAULT_MIN_GAIN = 0.05  # speculating must promise 5% more tokens per second than plain decoding
+DEFAULT_WARMUP_COST = 2.0  # the warm-up's trees cost the target at most two plain steps (a GPU: the largest budget)
 # online_adaptation policies: no update / whole drafter after every call (OSD-style) / output side after every call /
 # cost-aware choice between skip and whole drafter / cost-aware choice between skip, output side and whole drafter
 ADAPTATION_POLICIES = ("off", "always", "head_only", "full", "bandit")
@@ -65,8 +66,13 @@ class TreeDrafterConfig(PretrainedConfig):
         tree_budget: Nodes the target verifies per iteration at most (the root not counted), or "auto": time the
             target once per model and device and pick, among `auto_budget_candidates`, the budget maximising
             tau / (T_M + T_D), with tau learnt from the verified trees (the first `auto_budget_warmup` ones at the
-            largest candidate, then over a window of recent steps). A candidate 0 means "do not speculate" and wins
+            largest candidate the target verifies for at most `auto_budget_warmup_cost` plain steps, then over a
+            window of recent steps). A candidate 0 means "do not speculate" and wins
             where no tree pays for itself (a weak drafter on a slow device).
+        auto_budget_warmup_cost: With tree_budget="auto", the warm-up drafts with the largest candidate whose tree
+            the target verifies for at most this many plain steps, by the measured cost curve (on a GPU the largest
+            candidate; on a CPU, where a large tree costs several steps, a smaller one, so a first call does not pay
+            for trees that cannot pay); candidates above it are measured when exploring reaches them.
         auto_budget_explore_interval: With tree_budget="auto", every this many verified steps one tree is drafted
             above the chosen budget (also when the choice is 0), so larger budgets keep being measured and the
             choice can move up again.
@@ -146,6 +152,7 @@ class TreeDrafterConfig(PretrainedConfig):
         tree_budget: int | str = AUTO,
         auto_budget_candidates: list[int] | tuple[int, ...] = DEFAULT_CANDIDATES,
         auto_budget_warmup: int = 8,
+        auto_budget_warmup_cost: float = DEFAULT_WARMUP_COST,
         auto_budget_explore_interval: int = DEFAULT_EXPLORE_INTERVAL,
         auto_budget_explore_share: float = DEFAULT_EXPLORE_SHARE,
         auto_budget_min_gain: float = DEFAULT_MIN_GAIN,
@@ -196,6 +203,7 @@ class TreeDrafterConfig(PretrainedConfig):
         self.tree_budget = tree_budget
         self.auto_budget_candidates = list(auto_budget_candidates)
         self.auto_budget_warmup = auto_budget_warmup
+        self.auto_budget_warmup_cost = auto_budget_warmup_cost
         self.auto_budget_explore_interval = auto_budget_explore_interval
         self.auto_budget_explore_share = auto_budget_explore_share
         self.auto_budget_min_gain = auto_budget_min_gain
@@ -237,6 +245,7 @@ class TreeDrafterConfig(PretrainedConfig):
         if not isinstance(interval, int) or isinstance(interval, bool) or interval < 1:
             raise ValueError(f"auto_budget_explore_interval must be an int >= 1, got {interval!r}.")
         check_number("auto_budget_explore_share", self.auto_budget_explore_share, lambda x: 0 < x <= 1, "in (0, 1]")
+        check_number("auto_budget_warmup_cost", self.auto_budget_warmup_cost, lambda x: x >= 1, ">= 1")
         check_number("auto_budget_min_gain", self.auto_budget_min_gain, lambda x: x >= 0, ">= 0")
         if not isinstance(self.compile_drafter, bool):
             raise ValueError(f"compile_drafter must be True or False, got {self.compile_drafter!r}.")
