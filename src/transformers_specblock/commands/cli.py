@@ -83,9 +83,8 @@ class BenchArguments:
         metadata={
             "help": "Comma list of: plain (always run, the reference), plain_control (plain `generate` timed once more "
             "as if it were a method: its ratio to plain is the run's noise floor), prompt_lookup (transformers'), "
-            "assisted, "
-            "specblock, specblock_fixed_tree, specblock_one_block, eagle3, lookup_tree (prompt lookup and an n-gram "
-            "cache as a tree, no drafter), specblock+lookup, eagle3+lookup (the drafter's tree with those free "
+            "assisted, specblock, specblock_fixed_tree, specblock_one_block, eagle3, lookup_tree (prompt lookup and an "
+            "n-gram cache as a tree, no drafter), specblock+lookup, eagle3+lookup (the drafter's tree with those free "
             "candidates), dflash (a DFlash drafter's best-first tree), dflash_chain (the same drafter in "
             "transformers' own speculation_type='dflash' chain), specblock_compiled / eagle3_compiled / "
             "dflash_compiled (the drafter's forwards under torch.compile, compile_drafter=True); a tree method may "
