@@ -4,6 +4,9 @@ plain step does) against plain batched `generate`, at several batch sizes, on th
 
     python examples/batch_overhead.py --batch_sizes 1,4,16 --repeats 9 --dtype bfloat16 --output docs/results/batch-overhead
 
+With `--drafting_ladder` the drafter keeps a candidate that drafts but never chooses it: the cost of plain steps
+in a loop that queues the drafter's target features (what a drafter pays while "auto" decodes plainly).
+
 Each repeat runs both, in alternating order (plain first, then the loop first). Reported per batch size: the median
 over repeats of (plain seconds / loop seconds) - 1.0 means no overhead, and one call on a shared machine moves by
 several percent - and, steadier, what each call spent outside the target's forwards (generate's set-up, and all the
@@ -53,15 +56,23 @@ def main() -> None:
     parser.add_argument("--max_new_tokens", type=int, default=64)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--output", default="out/batch-overhead")
+    parser.add_argument("--drafting_ladder", action="store_true",
+                        help="keep a drafting candidate (8) that the chooser never picks (min gain 1000): every plain "
+                        "step then also queues the target features the drafter would read")  # fmt: skip
     args = parser.parse_args()
 
     target, tokenizer = load_packaged_model("smollm2-135m-instruct")
     target = target.to(getattr(torch, args.dtype))
     timer = ForwardTimer(target.model)
-    # candidates (0,) and no free candidates: the loop never drafts - every step verifies the root alone
+    # candidates (0,) and no free candidates: the loop never drafts - every step verifies the root alone (with
+    # --drafting_ladder the candidate 8 is tried once, in the untimed first pair, and never chosen again)
+    ladder = {"auto_budget_candidates": [0]}
+    if args.drafting_ladder:
+        ladder = {"auto_budget_candidates": [0, 8], "auto_budget_min_gain": 1000.0, "auto_budget_warmup": 0,
+                  "auto_budget_explore_interval": 10**9}  # fmt: skip
     drafter = Eagle3DraftModel.from_pretrained(
-        "eagle3-smollm2-135m-instruct", tree_budget="auto", auto_budget_candidates=[0], prompt_lookup_num_tokens=0,
-        ngram_cache_num_tokens=0, suffix_cache_num_tokens=0, suffix_local_num_tokens=0,
+        "eagle3-smollm2-135m-instruct", tree_budget="auto", prompt_lookup_num_tokens=0, ngram_cache_num_tokens=0,
+        suffix_cache_num_tokens=0, suffix_local_num_tokens=0, **ladder,
     ).to(target.dtype)
     prompts = load_prompts("mt_bench", num_prompts=max(int(b) for b in args.batch_sizes.split(",")), tokenizer=tokenizer)
     tokenizer.padding_side = "left"
