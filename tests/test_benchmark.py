@@ -119,8 +119,9 @@ def test_cli_methods_take_a_tree_budget_and_auto_is_measured_in_warm_up(tmp_path
     assert methods[0].tree_settings == {"tree_budget": 4}
     assert methods[1].tree_settings == {"max_blocks": 1, "tree_budget": "auto"}
     assert methods[0].generate_kwargs["assistant_model"] is methods[1].generate_kwargs["assistant_model"]
-    for bad, message in [("prompt_lookup@4", "only tree methods"), ("plain_control@8", "only tree methods"), ("specblock@0", "positive int"),
-                         ("specblock@big", "positive int"), ("medusa", "Unknown method")]:  # fmt: skip
+    for bad, message in [("prompt_lookup@4", "only tree methods"), ("plain_control@8", "only tree methods"),
+                         ("specblock@0", "positive int"), ("specblock@big", "positive int"),
+                         ("medusa", "Unknown method")]:  # fmt: skip
         with pytest.raises(ValueError, match=message):
             build_methods(BenchArguments(target_model="tiny", methods=bad, specblock_model=str(tmp_path / "drafter")),
                           target)  # fmt: skip

@@ -249,8 +249,9 @@ def test_a_long_remembered_stretch_is_verified_long_under_auto(one_thread):
     # the first call teaches nothing (tau 1 everywhere), so whether the second starts with plain steps or with the
     # free candidates' trees is the timings' call (a loaded machine can make the lookups look too slow): exploring
     # often and freely makes the chain's discovery quick either way; what is tested is what happens after it
-    drafter = LookupTreeModel.from_target(target, tree_budget="auto", auto_budget_explore_interval=4,
-                                          auto_budget_explore_share=1.0, **{**SUFFIX, "suffix_cache_num_tokens": 32})  # fmt: skip
+    settings = {**SUFFIX, "suffix_cache_num_tokens": 32, "auto_budget_explore_interval": 4,
+                "auto_budget_explore_share": 1.0}
+    drafter = LookupTreeModel.from_target(target, tree_budget="auto", **settings)
     first = _served(target, drafter, prompt, tokens=100)
     repeat = torch.cat([prompt, first[:, 8:20]], dim=1)
     out = _served(target, drafter, repeat, tokens=80)
