@@ -23,6 +23,7 @@ from .tree_batch import TreeBatch
 # `worth_verifying` sizes them.
 SMALL_SIZES = {0, 1, 2, 3, 4}
 BATCH_CONTEXT = 128  # cached positions per row when timing a batch (a shorter prefill: 16 rows x 256 took seconds)
+MAX_RELATIVE_COST = 4.0  # larger trees are not timed once one costs this many plain steps (the curve extrapolates)
 
 
 _COST_CACHE: "weakref.WeakKeyDictionary[PreTrainedModel, dict[str, TargetCost]]" = weakref.WeakKeyDictionary()
@@ -36,7 +37,8 @@ class TargetCost:
     seconds: list[float]
 
     def __call__(self, size: int) -> float:
-        """Piecewise-linear interpolation (flat extrapolation) of the measured curve."""
+        """Piecewise-linear interpolation of the measured curve (flat below its first size, its last segment's line
+        beyond its last)."""
         sizes, secs = self.sizes, self.seconds
         if size <= sizes[0]:
             return secs[0]
@@ -48,11 +50,15 @@ class TargetCost:
 
 @torch.no_grad()
 def measure_target_cost(
-    target: PreTrainedModel, sizes: list[int], context_length: int = 256, repeats: int = 3, batch_size: int = 1
-) -> TargetCost:
+    target: PreTrainedModel, sizes: list[int], context_length: int = 256, repeats: int = 3, batch_size: int = 1,
+    max_relative_cost: float = MAX_RELATIVE_COST,
+) -> TargetCost:  # fmt: skip
     """Time the target verifying chains of each size after a `context_length` cache in each of `batch_size` rows
-    (min over repeats), cached per model, device and batch size. Size 0 is a plain decoding step (the root alone)."""
-    key = f"{target.device}:{context_length}:{sorted(sizes)}:{batch_size}"
+    (min over repeats), cached per model, device and batch size. Size 0 is a plain decoding step (the root alone).
+    Sizes above the first that costs more than `max_relative_cost` plain steps are not timed: where every verified
+    token costs compute (a CPU, a large batch) the curve goes on as the straight line through its last two points, and
+    a first batched call does not spend a minute timing trees of thousands of tokens."""
+    key = f"{target.device}:{context_length}:{sorted(sizes)}:{batch_size}:{max_relative_cost}"
     per_model = _COST_CACHE.setdefault(target, {})
     if key in per_model:
         return per_model[key]
@@ -83,9 +89,11 @@ def measure_target_cost(
             best = min(best, time.perf_counter() - start)
             truncate_cache(cache, context_length)  # back to the context for the next timing
         seconds.append(best)
+        if best > max_relative_cost * seconds[0]:
+            break
     # timing noise only ever adds time, and a larger tree never costs less: keep the cheapest of every larger size
     seconds = [min(seconds[i:]) for i in range(len(seconds))]
-    per_model[key] = TargetCost(sorted(sizes), seconds)
+    per_model[key] = TargetCost(sorted(sizes)[: len(seconds)], seconds)
     return per_model[key]
 
 
