@@ -246,10 +246,11 @@ class AutoBudget:
         even the free candidates, where they do not pay for their own time either)."""
         if self.trees < self.warmup:
             return self.warmup_budget()
-        unmeasured = [b for b, stat in self.tau.items() if not stat.count and b <= self.warmup_budget()]
-        if unmeasured:
-            return max(unmeasured)
-        return self._best()
+        unmeasured = [b for b, stat in self.tau.items() if not stat.count]
+        if unmeasured:  # (the cost curve is read only while a candidate is unmeasured, not on every step)
+            warmup = self.warmup_budget()
+            unmeasured = [b for b in unmeasured if b <= warmup]
+        return max(unmeasured) if unmeasured else self._best()
 
     def _best(self, drafting_only: bool = False) -> int:
         """The argmax of tau(B) / (T_M(B) + T_D) over the measured candidates (`drafting_only`: over those > 0)."""
