@@ -113,18 +113,18 @@ def serve(target, tokenizer, stream: list[dict], runs: list[str], args, referenc
             rows[run].append({
                 "call": index, "prompt_id": row["id"], "domain": row["domain"], "new_tokens": len(new),
                 "seconds": seconds, "plain_seconds": references[row["id"]]["seconds"], "tau": stats.tau,
-                "action": stats.adaptation_action, "update_s": stats.adaptation_time_s,
-                "signal": stats.adaptation_signal, "signal_wrong": stats.adaptation_signal_wrong,
-                "rolled_back": stats.adaptation_rolled_back, "restored_loaded": stats.adaptation_restored_loaded,
-                "held_out_gain": stats.adaptation_held_out_gain, "candidate_gain": stats.adaptation_candidate_gain,
-                "promoted": stats.adaptation_promoted,
+                "action": stats.adaptation.action, "update_s": stats.adaptation.update_time_s,
+                "signal": stats.adaptation.signal, "signal_wrong": stats.adaptation.signal_wrong,
+                "rolled_back": stats.adaptation.rolled_back, "restored_loaded": stats.adaptation.restored_loaded,
+                "held_out_gain": stats.adaptation.held_out_gain, "candidate_gain": stats.adaptation.candidate_gain,
+                "promoted": stats.adaptation.promoted,
                 "identical": new == references[row["id"]]["tokens"],
             })  # fmt: skip
             print(f"  call {index:2d} {row['domain']:8s} {run:24s} tau {stats.tau:.2f} {len(new) / seconds:5.1f} "
-                  f"tok/s {stats.adaptation_action:9s} update {stats.adaptation_time_s:.2f}s"
-                  f"{' rolled back' if stats.adaptation_rolled_back else ''}"
-                  f"{' loaded back' if stats.adaptation_restored_loaded else ''}"
-                  f"{' candidate served' if stats.adaptation_promoted else ''}", flush=True)  # fmt: skip
+                  f"tok/s {stats.adaptation.action:9s} update {stats.adaptation.update_time_s:.2f}s"
+                  f"{' rolled back' if stats.adaptation.rolled_back else ''}"
+                  f"{' loaded back' if stats.adaptation.restored_loaded else ''}"
+                  f"{' candidate served' if stats.adaptation.promoted else ''}", flush=True)  # fmt: skip
     return rows
 
 

@@ -66,7 +66,7 @@ def main() -> None:
             seconds.setdefault(name, []).append(time.perf_counter() - start)
             outputs[name] = out.tolist()
             if drafter is not None:
-                stats, chooser = drafter.last_stats, drafter._auto_budget
+                stats, chooser = drafter.last_stats, drafter.serving_state().auto_budget
                 steps = sum(chooser.cost(n) / chooser.cost(0) for n in stats.nodes_per_iteration)
                 work.setdefault(name, []).append(steps / stats.new_tokens)
             else:

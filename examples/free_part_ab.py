@@ -80,7 +80,7 @@ def main() -> None:
     for name, drafter in arms.items():  # warm-up: kernels, and each chooser's cost curve and first trees
         call(name, warm)
         if name.endswith("/without"):
-            chooser = drafter.__dict__["_auto_budget"]
+            chooser = drafter.serving_state().auto_budget
             chooser.__class__ = WithoutFreePart
             chooser.free_part_tau.samples.clear(), chooser.free_part_size.samples.clear()
             chooser.free_part_tau.count = 0

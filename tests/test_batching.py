@@ -92,7 +92,7 @@ def test_auto_budget_in_a_batch_is_exact(one_thread, name):
     for _ in range(2):  # the second call starts from what the first learnt
         plain, tree = plain_and_tree(target, drafter, ids, mask, max_new_tokens=24)
         assert tree.tolist() == plain.tolist()
-    chooser = drafter.__dict__["_auto_budget"]
+    chooser = drafter.serving_state().auto_budget
     assert {1, 2, 4} <= set(chooser.batch_costs)  # every bucket up to the batch's was timed before decoding
 
 
@@ -247,8 +247,8 @@ def test_online_adaptation_takes_signal_from_every_row(one_thread):
     for row, n in enumerate([4, 9, 6]):
         single = make_drafter(target, **settings)
         target.generate(ids[row : row + 1, -n:], assistant_model=single, do_sample=False, max_new_tokens=12)
-        alone += single.last_stats.adaptation_signal
-    assert batched.last_stats.adaptation_signal == alone > 0
+        alone += single.last_stats.adaptation.signal
+    assert batched.last_stats.adaptation.signal == alone > 0
 
 
 # --------------------------------------------------------------------------------------------------------------

@@ -128,7 +128,7 @@ def test_cli_methods_take_a_tree_budget_and_auto_is_measured_in_warm_up(tmp_path
 
     drafter = methods[1].generate_kwargs["assistant_model"]
     results = run_benchmark(target, tokenizer, prompts.select(range(1)), [*methods[:2], methods[3]], max_new_tokens=8)
-    assert drafter.__dict__.get("_auto_budget") is not None  # the one-off cost measurement ran
+    assert drafter.serving_state().auto_budget is not None  # the one-off cost measurement ran
     assert all(r.identical_to_reference for r in results.prompts)
     control = next(r for r in results.prompts if r.method == "plain_control")
     assert control.tau is None and control.seconds > 0

@@ -173,7 +173,7 @@ def test_auto_budget_in_generate_is_exact_and_picks_a_candidate():
     assert out.tolist() == reference.tolist()
     nodes = drafter.last_stats.nodes_per_iteration
     assert all(n <= 32 for n in nodes) and max(nodes[:3]) > 8  # learning phase drafts the largest tree
-    chooser = drafter._auto_budget
+    chooser = drafter.serving_state().auto_budget
     assert chooser.trees == len(nodes) and chooser.choose() in {2, 4, 8, 16, 32}
     # the cost curve was measured for every candidate and the small sizes (`test_measured_cost.py`: how)
     assert chooser.cost.sizes == [0, 1, 2, 3, 4, 8, 16, 32] and all(t > 0 for t in chooser.cost.seconds)
@@ -199,7 +199,7 @@ def test_auto_budget_zero_stops_drafting_and_stays_exact():
     assert out.tolist() == reference.tolist()
     stats = drafter.last_stats
     assert min(stats.nodes_per_iteration[:2]) > 0 and set(stats.nodes_per_iteration[2:]) == {0}
-    assert drafter._auto_budget.trees == 2  # no exploring step within 1000 steps
+    assert drafter.serving_state().auto_budget.trees == 2  # no exploring step within 1000 steps
     forwards = stats.drafter_forwards
     # chosen 0 from the start: the drafter does not even read the prompt
     target.generate(prompt, assistant_model=drafter, max_new_tokens=24, do_sample=False)
@@ -252,7 +252,7 @@ def test_auto_budget_zero_comes_back_when_acceptance_improves(monkeypatch):
         for first, tokens in reads:
             assert first == position and tokens == out[0, first : first + len(tokens)].tolist()
             position += len(tokens)
-        assert nodes[0] == 0 and drafter._auto_budget.choose() == vocab  # it came back to speculating
+        assert nodes[0] == 0 and drafter.serving_state().auto_budget.choose() == vocab  # it came back to speculating
         # it speculates every step again; the least likely of the 24 guesses may be left out (worth_verifying)
         assert min(nodes[-10:]) >= vocab - 4 and sum(drafter.last_stats.accepted_per_iteration[-10:]) >= 17
 
@@ -461,9 +461,9 @@ def test_the_loop_measures_the_free_part_of_drafted_trees_and_not_of_lookup_tree
     drafter = make_drafter(target, tree_budget="auto", auto_budget_candidates=[0, 8], auto_budget_warmup=1000,
                            prompt_lookup_num_tokens=4)  # fmt: skip
     target.generate(prompt, assistant_model=drafter, max_new_tokens=12, do_sample=False)
-    chooser = drafter._auto_budget
+    chooser = drafter.serving_state().auto_budget
     assert chooser.trees == drafter.last_stats.iterations > 0 and chooser.free_part_tau.count == chooser.trees
     lookup = LookupTreeModel.from_target(target, tree_budget="auto", auto_budget_candidates=[0, 8],
                                          auto_budget_warmup=1000)  # fmt: skip
     target.generate(prompt, assistant_model=lookup, max_new_tokens=12, do_sample=False)
-    assert lookup._auto_budget.trees > 0 and lookup._auto_budget.free_part_tau.count == 0
+    assert lookup.serving_state().auto_budget.trees > 0 and lookup.serving_state().auto_budget.free_part_tau.count == 0

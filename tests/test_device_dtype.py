@@ -1,6 +1,7 @@
-"""A drafter follows its target: `bind_target` (run by every generate) moves it to the device of the target's input
-embedding and casts it to the target's dtype, or refuses clearly (weights on the meta device). CPU only here, so a
-second dtype and the meta device stand in for a second device."""
+"""A drafter follows its target: generate drafts with `served_for(target)`, the drafter itself or a copy on the device
+of the target's input embedding in the target's dtype (the user's drafter is never cast or moved);
+`bind_target(place=True)` places the drafter itself; both refuse clearly (weights on the meta device). CPU only here,
+so a second dtype and the meta device stand in for a second device."""
 
 from __future__ import annotations
 
@@ -44,10 +45,11 @@ def test_float32_drafter_follows_a_16bit_target(kind, dtype):
     expected = greedy(target)
     assert torch.equal(greedy(target, assistant_model=low), expected)
     assert torch.equal(greedy(target, assistant_model=wide), expected)
-    assert floating_dtypes(wide) == {dtype}  # generate bound it, so it now drafts in the target's dtype ...
-    for (name, a), (_, b) in zip(low.state_dict().items(), wide.state_dict().items()):
+    served = wide.served_for(target)
+    assert floating_dtypes(wide) == {torch.float32} and floating_dtypes(served) == {dtype}  # it drafted in the
+    for (name, a), (_, b) in zip(low.state_dict().items(), served.state_dict().items()):  # target's dtype ...
         assert torch.equal(a, b), name  # ... with exactly the 16-bit drafter's weights (d2t / t2d untouched)
-    assert wide.d2t.dtype == torch.long and wide.t2d.dtype == torch.bool
+    assert served.d2t.dtype == torch.long and served.t2d.dtype == torch.bool
     # so it drafts the same trees as the 16-bit drafter
     assert wide.last_stats.nodes_per_iteration == low.last_stats.nodes_per_iteration
     assert wide.last_stats.accepted_per_iteration == low.last_stats.accepted_per_iteration
@@ -57,7 +59,8 @@ def test_16bit_drafter_follows_a_float32_target():
     target = make_target("llama", vocab_size=VOCAB, seed=2)
     drafter = make_drafter(target).to(torch.bfloat16)  # e.g. a shipped bf16 drafter with a float32 CPU target
     out = greedy(target, assistant_model=drafter)
-    assert torch.equal(out, greedy(target)) and floating_dtypes(drafter) == {torch.float32}
+    assert torch.equal(out, greedy(target)) and floating_dtypes(drafter) == {torch.bfloat16}  # left as it was
+    assert floating_dtypes(drafter.served_for(target)) == {torch.float32}
 
 
 def test_sampling_with_a_drafter_of_another_dtype():
@@ -65,7 +68,7 @@ def test_sampling_with_a_drafter_of_another_dtype():
     drafter = make_drafter(target).float()
     torch.manual_seed(0)
     out = target.generate(PROMPT, max_new_tokens=10, do_sample=True, assistant_model=drafter)
-    assert out.shape == (1, PROMPT.shape[1] + 10) and drafter.dtype == torch.bfloat16
+    assert out.shape == (1, PROMPT.shape[1] + 10) and drafter.dtype == torch.float32  # drafted by a bfloat16 copy
 
 
 def test_drafter_on_the_meta_device_is_refused():

@@ -227,11 +227,11 @@ def test_source_scores_carry_over_between_calls_and_fade(one_thread):
     lookup = LookupTreeModel.from_target(target, tree_budget=8, **LOOKUP)
     prompt = _repetitive_prompt(24, 0)
     target.generate(prompt, assistant_model=lookup, max_new_tokens=20)
-    (scores,) = lookup._source_scores.values()
+    (scores,) = lookup.serving_state().source_scores.values()
     tried = sum(sum(t) for t in scores.attempted.values())
     assert tried > 0
     target.generate(prompt, assistant_model=lookup, max_new_tokens=20)
-    assert lookup._source_scores[next(iter(lookup._source_scores))] is scores  # the same learnt scores
+    assert lookup.serving_state().source_scores[next(iter(lookup.serving_state().source_scores))] is scores  # the same learnt scores
     assert sum(sum(t) for t in scores.attempted.values()) > tried
     fading = SourceScores(memory=4.0)
     children = {(0, 5): 1}

@@ -67,6 +67,37 @@ def test_unknown_processor_is_called_one_row_at_a_time(target, oracle):
     assert custom.batch_sizes == {1}
 
 
+class StatefulUserProcessor(LogitsProcessor):
+    """A user's processor with state: it bans the token equal to its call count (so what it does depends on how often
+    it was called before) and records every prefix it was called on."""
+
+    def __init__(self) -> None:
+        self.prefixes: list[list[int]] = []
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        self.prefixes.append(input_ids[-1].tolist())
+        scores = scores.clone()
+        scores[:, len(self.prefixes) % VOCAB] = -float("inf")
+        return scores
+
+
+@pytest.mark.parametrize("do_sample", [False, True])
+def test_an_unknown_processor_runs_on_the_accepted_path_only_as_in_plain_decoding(target, oracle, do_sample):
+    plain, tree = StatefulUserProcessor(), StatefulUserProcessor()
+    torch.manual_seed(0)
+    reference = target.generate(PROMPT, max_new_tokens=12, do_sample=do_sample, logits_processor=LogitsProcessorList([plain]))
+    torch.manual_seed(0)
+    out = target.generate(
+        PROMPT, max_new_tokens=12, do_sample=do_sample, assistant_model=oracle, logits_processor=LogitsProcessorList([tree])
+    )
+    assert tree.prefixes == [row[: len(prefix)] for row, prefix in zip([out[0].tolist()] * len(tree.prefixes), tree.prefixes)]
+    assert len(tree.prefixes) == out.shape[1] - PROMPT.shape[1]  # one call per committed token, never a rejected node
+    assert [len(p) for p in tree.prefixes] == list(range(PROMPT.shape[1], out.shape[1]))
+    if not do_sample:
+        assert out.tolist() == reference.tolist() and tree.prefixes == plain.prefixes
+    assert oracle.last_stats.tau > 1.5  # trees were still accepted several tokens at a time
+
+
 def test_row_wise_watermark_matches_stock(target, oracle):
     config = WatermarkingConfig(bias=4.0, context_width=2, seeding_scheme="lefthash")
     reference = greedy(target, watermarking_config=config)

@@ -71,7 +71,7 @@ def _serve(target, drafter, calls: int, max_new_tokens: int = 24) -> list[str]:
         reference = target.generate(prompt, do_sample=False, max_new_tokens=max_new_tokens)
         out = target.generate(prompt, assistant_model=drafter, do_sample=False, max_new_tokens=max_new_tokens)
         assert out.tolist() == reference.tolist(), f"call {seed}"
-        actions.append(drafter.last_stats.adaptation_action)
+        actions.append(drafter.last_stats.adaptation.action)
     return actions
 
 
@@ -88,7 +88,7 @@ def test_greedy_identical_with_every_policy(kind, policy):
         assert set(actions) == {"off"} and not changed
     else:
         assert set(actions) <= {SKIP, HEAD_ONLY, FULL} and set(actions) & {HEAD_ONLY, FULL}
-        assert drafter.last_stats.adaptation_signal > 0
+        assert drafter.last_stats.adaptation.signal > 0
     if policy == "always":  # (a cost-aware policy may roll its only update back)
         assert changed
     if policy == "head_only":  # its updates train a candidate head, served once it beats the served one
@@ -173,7 +173,7 @@ def test_buffer_is_bounded():
     )
     _serve(target, drafter, calls=3)
     buffer = online_adapter_for(drafter).buffer
-    assert len(buffer) == 10 and drafter.last_stats.adaptation_signal > 10
+    assert len(buffer) == 10 and drafter.last_stats.adaptation.signal > 10
     assert all(s.target_ids.shape == (5,) and s.target_probs.shape == (5,) for s in buffer.samples)
     assert all(s.context is None or s.context[1].shape[0] <= drafter.config.adaptation_context for s in buffer.samples)
     small = SignalBuffer(2)
@@ -245,11 +245,11 @@ def test_head_only_adaptation_runs_in_bfloat16(kind):
     for seed in range(3):
         out = target.generate(_prompt(seed), assistant_model=drafter, do_sample=False, max_new_tokens=16)
         assert out.shape[1] == _prompt(seed).shape[1] + 16
-        assert drafter.last_stats.adaptation_action == "head_only"
+        assert drafter.last_stats.adaptation.action == "head_only"
         assert math.isfinite(online_adapter_for(drafter).report.loss)
     adapter = online_adapter_for(drafter)
     assert adapter.candidate["lm_head.weight"].dtype == torch.bfloat16
-    assert not math.isnan(drafter.last_stats.adaptation_candidate_gain)  # a candidate was tested on fresh signal
+    assert not math.isnan(drafter.last_stats.adaptation.candidate_gain)  # a candidate was tested on fresh signal
     assert all(p.dtype == torch.bfloat16 for p in drafter.parameters())
 
 
@@ -356,7 +356,7 @@ def test_the_held_out_gain_gates_the_whole_drafter_update():
     target = make_target("llama", vocab_size=VOCAB, seed=1)
     drafter = _drafter("specblock", target, online_adaptation="bandit")
     _serve(target, drafter, calls=1)
-    assert math.isnan(drafter.last_stats.adaptation_held_out_gain)  # nothing adapted yet
+    assert math.isnan(drafter.last_stats.adaptation.held_out_gain)  # nothing adapted yet
     adapter = online_adapter_for(drafter)
     bandit = adapter.bandits["bandit"]
     for arm in (HEAD_ONLY, SKIP, HEAD_ONLY):  # head-only has paid twice: the bandit wants to try "full"
@@ -366,20 +366,20 @@ def test_the_held_out_gain_gates_the_whole_drafter_update():
     adapter.report.held_out_gain = ESCALATION_GAIN
     assert adapter.choose_action() == FULL
     _serve(target, drafter, calls=1)  # measured on every call after an update
-    assert -1.0 <= drafter.last_stats.adaptation_held_out_gain <= 1.0
+    assert -1.0 <= drafter.last_stats.adaptation.held_out_gain <= 1.0
 
 
 def test_a_rejected_update_is_charged_to_its_arm():
     target = make_target("llama", vocab_size=VOCAB, seed=1)
     drafter = _drafter("specblock", target, online_adaptation="bandit")
     _serve(target, drafter, calls=1)  # the bandit's first action: a head-only update
-    assert drafter.last_stats.adaptation_action == HEAD_ONLY
+    assert drafter.last_stats.adaptation.action == HEAD_ONLY
     with torch.no_grad():
         drafter.lm_head.weight.neg_()  # an adapted head that proposes the worst tokens
     adapter = online_adapter_for(drafter)
     _serve(target, drafter, calls=1)  # its throughput is measured, then the held-out check throws it away
     bandit = adapter.bandits["bandit"]
-    assert drafter.last_stats.adaptation_restored_loaded and not drafter.last_stats.adaptation_rolled_back
+    assert drafter.last_stats.adaptation.restored_loaded and not drafter.last_stats.adaptation.rolled_back
     # one pull whose reward is what the update earned: nothing over "skip" (not measured yet: 1), less its time
     assert 0.0 < adapter.last_update_share < 1.0
     assert bandit.counts[HEAD_ONLY] == 1.0 and bandit.sums[HEAD_ONLY] == pytest.approx(1 - adapter.last_update_share)
@@ -392,7 +392,7 @@ def test_each_policy_takes_its_action(policy, first):
     target = make_target("llama", vocab_size=VOCAB, seed=1)
     drafter = _drafter("specblock", target, online_adaptation=policy)
     _serve(target, drafter, calls=1)
-    assert drafter.last_stats.adaptation_action == first
+    assert drafter.last_stats.adaptation.action == first
     stats = drafter.last_stats.as_dict()
     assert stats["adaptation_time_s"] > 0 and stats["adaptation_signal"] >= stats["adaptation_signal_wrong"] > 0
 
@@ -400,7 +400,7 @@ def test_each_policy_takes_its_action(policy, first):
 def test_no_signal_means_no_update():
     target = make_target("llama", vocab_size=VOCAB, seed=1)
     drafter = _drafter("specblock", target, online_adaptation="always")
-    adapter = online_adapter_for(drafter)
+    adapter = online_adapter_for(drafter, drafter.serving_state(target))
     assert adapter.finish_call(new_tokens=10, decode_seconds=1.0, tau=1.5).action == SKIP
 
 
@@ -429,13 +429,13 @@ def test_the_loaded_output_side_comes_back_where_it_does_better():
     drafter = _drafter("specblock", target, online_adaptation="head_only")
     loaded = _weights(drafter)
     _serve(target, drafter, calls=2)
-    assert not drafter.last_stats.adaptation_restored_loaded
+    assert not drafter.last_stats.adaptation.restored_loaded
     with torch.no_grad():
         drafter.lm_head.weight.neg_()
     adapter = online_adapter_for(drafter)
     adapter.pending, adapter.candidate = None, None  # (the negated head is the one to test)
     _serve(target, drafter, calls=1)  # held out: this call's signal, then an update into a new candidate head
-    assert drafter.last_stats.adaptation_restored_loaded
+    assert drafter.last_stats.adaptation.restored_loaded
     assert torch.equal(drafter.lm_head.weight, loaded["lm_head.weight"]) and adapter.candidate is not None
 
 
@@ -447,21 +447,21 @@ def test_a_head_only_update_is_served_only_after_it_beats_the_served_head():
     loaded = _weights(drafter)
     _serve(target, drafter, calls=1)  # the bandit's first action: a head-only update, into a candidate
     adapter = online_adapter_for(drafter)
-    assert drafter.last_stats.adaptation_action == HEAD_ONLY and adapter.candidate is not None
+    assert drafter.last_stats.adaptation.action == HEAD_ONLY and adapter.candidate is not None
     assert all(torch.equal(p, loaded[n]) for n, p in drafter.named_parameters())  # nothing served changed
     adapter.candidate = {"lm_head.weight": -loaded["lm_head.weight"]}  # a candidate proposing the worst tokens
     _serve(target, drafter, calls=1)
     stats, bandit = drafter.last_stats, adapter.bandits["bandit"]
-    assert stats.adaptation_candidate_gain < 0 and not stats.adaptation_promoted
+    assert stats.adaptation.candidate_gain < 0 and not stats.adaptation.promoted
     assert torch.equal(drafter.lm_head.weight, loaded["lm_head.weight"])
     # charged as thrown away: "skip" (not measured yet: 1) less its time
     assert bandit.counts[HEAD_ONLY] == 1.0 and bandit.sums[HEAD_ONLY] == pytest.approx(1 - adapter.last_update_share)
     with torch.no_grad():  # now the served head is the bad one (and the reference of the loaded check too)
         drafter.lm_head.weight.neg_()
-        drafter.__dict__["_loaded_weights"]["lm_head.weight"].neg_()
+        drafter.serving_states.loaded_weights["lm_head.weight"].neg_()
     adapter.candidate = {"lm_head.weight": loaded["lm_head.weight"].clone()}
     _serve(target, drafter, calls=1)
-    assert drafter.last_stats.adaptation_candidate_gain > 0 and drafter.last_stats.adaptation_promoted
+    assert drafter.last_stats.adaptation.candidate_gain > 0 and drafter.last_stats.adaptation.promoted
     assert torch.equal(drafter.lm_head.weight, loaded["lm_head.weight"])
 
 
@@ -476,7 +476,7 @@ def test_the_loaded_drafter_comes_back_after_whole_drafter_updates():
         drafter.lm_head.weight.neg_()
     online_adapter_for(drafter).pending = None
     _serve(target, drafter, calls=1)
-    assert drafter.last_stats.adaptation_restored_loaded
+    assert drafter.last_stats.adaptation.restored_loaded
     # the loaded weights, then this call's 4 gradient steps (1e-2 output side, 1e-3 body)
     assert all(float((p.detach() - loaded[n]).abs().max()) < 0.01 for n, p in drafter.named_parameters())
 
@@ -499,7 +499,7 @@ def test_reset_restores_the_loaded_weights_bit_for_bit(tmp_path):
         assert all(torch.equal(p, expected[n]) for n, p in saved.named_parameters()), folder
     drafter.reset_adaptation()
     assert all(torch.equal(p, loaded[n]) for n, p in drafter.named_parameters())
-    assert "_online_adaptation" not in drafter.__dict__
+    assert drafter.serving_state().adaptation is None
 
 
 def test_tree_settings_scope_the_policy():

@@ -378,7 +378,7 @@ def _forget_served_text(drafter: TreeDraftModel) -> None:
     earlier calls (the warm-up, another method on the same drafter object, this prompt) would let it copy an answer
     to this very prompt - and "auto" would learn from the warm-up that trees pay. The cross-request memory is
     measured on request streams instead (`examples/suffix_streams.py`)."""
-    store = drafter.__dict__.get("_suffix_store")
+    store = drafter.serving_states.suffix_store
     if store is not None:
         store.reset()
 

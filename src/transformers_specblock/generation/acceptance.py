@@ -3,6 +3,8 @@ speculative sampling (one row at a time); then the kept nodes' scores."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from ..utils import to_device
@@ -49,26 +51,50 @@ def greedy_accept(tree: DraftTree, processed: torch.Tensor) -> tuple[torch.LongT
 def sample_accept(
     tree: DraftTree, processed: torch.Tensor, generator: torch.Generator | None = None
 ) -> tuple[torch.LongTensor, torch.LongTensor]:
-    """Lossless multi-candidate speculative sampling over the tree.
+    """Lossless multi-candidate speculative sampling over the tree (processed [N+1, V]).
 
     At each node the children are deterministic candidates (q = 1), tried best-first: accept x with probability
     p(x) under the current residual p; on rejection set p(x) = 0 and renormalise. When every child is rejected (or
     at a leaf), the bonus token is sampled from the residual. The result is distributed exactly as p.
     """
-    probs = processed.float().softmax(-1)
+    return walk_accept(tree, lambda node, path: processed[node], True, generator)
+
+
+def walk_accept(
+    tree: DraftTree,
+    node_scores: Callable[[int, list[int]], torch.Tensor],
+    do_sample: bool,
+    generator: torch.Generator | None = None,
+    stops: Callable[[int, int], bool] | None = None,
+) -> tuple[torch.LongTensor, torch.LongTensor]:
+    """Walk the tree from the root, reading the scores [V] of the nodes on the accepted path only, in order
+    (`node_scores(node, accepted nodes so far)`): greedy follows the child holding the argmax; sampling as
+    `sample_accept`. `stops(accepted count, token)` ends the walk at an accepted token the sequence stops at (its
+    bonus token, never committed, is then that token again, read from no scores). Returns the accepted node ids
+    (root excluded) and the bonus token [1]."""
     node, path = 0, []
     while True:
-        residual = probs[node].clone()
+        if path and stops is not None and stops(len(path), int(tree.tokens[path[-1]])):
+            return torch.tensor(path, dtype=torch.long, device=tree.tokens.device), tree.tokens[path[-1]][None]
+        scores = node_scores(node, path)
         accepted = None
-        for child in tree.children_of(node).tolist():
-            token = tree.tokens[child]
-            draw = torch.rand((), device=residual.device, generator=generator)
-            if draw * residual.sum() < residual[token]:
-                accepted = child
-                break
-            residual[token] = 0.0
+        if do_sample:
+            residual = scores.float().softmax(-1)
+            for child in tree.children_of(node).tolist():
+                token = tree.tokens[child]
+                draw = torch.rand((), device=residual.device, generator=generator)
+                if draw * residual.sum() < residual[token]:
+                    accepted = child
+                    break
+                residual[token] = 0.0
+            if accepted is None:
+                bonus = torch.multinomial(residual / residual.sum(), 1, generator=generator)
+        else:
+            pick = scores.argmax(-1, keepdim=True)
+            children = tree.children_of(node)
+            match = children[tree.tokens[children] == pick.to(tree.tokens.device)].tolist()
+            accepted, bonus = (match[0] if match else None), pick
         if accepted is None:
-            bonus = torch.multinomial(residual / residual.sum(), 1, generator=generator)
             return torch.tensor(path, dtype=torch.long, device=tree.tokens.device), bonus
         path.append(accepted)
         node = accepted

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import weakref
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -332,23 +333,25 @@ class AutoBudget:
 
 
 def auto_budget_for(drafter: TreeDraftModel, target: PreTrainedModel) -> AutoBudget:
-    """The `tree_budget="auto"` chooser of `drafter` for `target`, kept on the drafter: the target's cost curve is
-    measured once per model and device, and what it learns about acceptance carries over between `generate` calls
-    (as the drafter's own tree settings change too), except that other free-candidate settings (`generation.lookup`)
-    get their own chooser: a drafter with and without prompt lookup draws different kinds of trees."""
+    """The `tree_budget="auto"` chooser of `drafter` for `target`, kept in the drafter's serving state for that target
+    (`drafter.serving_state(target).auto_budgets`, the target held weakly): the target's cost curve is measured once
+    per device, and what it learns about acceptance carries over between `generate` calls (as the drafter's own tree
+    settings change too), except that other free-candidate settings (`generation.lookup`) get their own chooser: a
+    drafter with and without prompt lookup draws different kinds of trees."""
     config = drafter.config
     candidates = list(config.auto_budget_candidates)
-    key = (id(target), str(target.device), tuple(candidates), LookupSettings.from_config(config))
-    choosers = drafter.__dict__.setdefault("_auto_budgets", {})
-    if key not in choosers:
+    state = drafter.serving_state(target)
+    key = (str(target.device), tuple(candidates), LookupSettings.from_config(config))
+    if key not in state.auto_budgets:
         sizes = sorted(set(candidates) | SMALL_SIZES)
-        choosers[key] = AutoBudget(
+        weak_target = weakref.ref(target)
+        state.auto_budgets[key] = AutoBudget(
             candidates, measure_target_cost(target, sizes),
             warmup=config.auto_budget_warmup,
             warmup_cost=config.auto_budget_warmup_cost,
             free_at_zero=key[-1].enabled,
             min_gain=config.auto_budget_min_gain,
-            measure=lambda batch_size: measure_target_cost(target, sizes, BATCH_CONTEXT, batch_size=batch_size),
+            measure=lambda batch_size: measure_target_cost(weak_target(), sizes, BATCH_CONTEXT, batch_size=batch_size),
         )  # fmt: skip
-    drafter.__dict__["_auto_budget"] = choosers[key]  # the chooser of the latest call, for inspection
-    return choosers[key]
+    state.auto_budget = state.auto_budgets[key]  # the chooser of the latest call, for inspection
+    return state.auto_budget

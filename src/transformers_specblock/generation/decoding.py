@@ -11,8 +11,9 @@ the call.
 
 from __future__ import annotations
 
+import copy
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
@@ -24,7 +25,7 @@ from ..models.tree_drafter.configuration_tree_drafter import AUTO, TreeDrafterCo
 from ..models.tree_drafter.modeling_tree_drafter import TreeDraftModel
 from ..utils import sync, to_device
 from .acceptance import greedy_accept_rows, kept_rows, sample_accept
-from .adaptation import OnlineAdapter, online_adapter_for
+from .adaptation import AdaptationReport, OnlineAdapter, online_adapter_for
 from .budget import PLAIN, AutoBudget, auto_budget_for
 from .cache_utils import compact_cache, full_attention_cache, repack_cache
 from .candidate_generators import TreeCandidateGenerator, get_candidate_generator
@@ -37,9 +38,13 @@ from .verification import target_features, verify_trees
 REPACK_MIN_HOLES = 16  # cache columns every row hides before they are dropped (and at least a quarter of the cache)
 
 
+STATS_SCHEMA = 2  # the layout of `SpecBlockStats.as_dict()`
+
+
 @dataclass
 class SpecBlockStats:
-    """Statistics of the last `generate` call, stored on the drafter as `drafter.last_stats`."""
+    """Statistics of the last `generate` call, stored on the drafter as `drafter.last_stats`; reports of optional
+    features nest (`adaptation`), and `as_dict()` gives the whole as plain nested dicts."""
 
     iterations: int = 0  # verified trees (a batch verifies one tree per live row in each target forward)
     target_forwards: int = 0  # verification forwards (the prefill not counted)
@@ -51,21 +56,7 @@ class SpecBlockStats:
     target_time_s: float = 0.0
     total_time_s: float = 0.0
     accepted_by_source: dict[str, int] = field(default_factory=dict)  # accepted drafted tokens each source proposed
-    # online adaptation (`generation.adaptation`): the action taken after this call's tokens ("off", "skip",
-    # "head_only", "full"), its time (inside total_time_s), the signal samples captured (of which the drafter's
-    # best proposal was wrong), whether the previous call's update was rolled back, whether the loaded output
-    # side was put back (it did better on this call's signal), the served minus the loaded weights' first-proposal
-    # acceptance on this call's depth-1 signal (nan before the first update), the last head-only update's candidate
-    # head minus the served one on the same signal (nan where no candidate was tested) and whether it is served now
-    adaptation_action: str = "off"
-    adaptation_time_s: float = 0.0
-    adaptation_signal: int = 0
-    adaptation_signal_wrong: int = 0
-    adaptation_rolled_back: bool = False
-    adaptation_restored_loaded: bool = False
-    adaptation_held_out_gain: float = float("nan")
-    adaptation_candidate_gain: float = float("nan")
-    adaptation_promoted: bool = False
+    adaptation: AdaptationReport = field(default_factory=AdaptationReport)  # online adaptation (action "off": none)
 
     @property
     def tau(self) -> float:
@@ -78,7 +69,9 @@ class SpecBlockStats:
         return self.drafter_time_s / max(1e-12, self.drafter_time_s + self.target_time_s)
 
     def as_dict(self) -> dict[str, Any]:
-        return {**self.__dict__, "tau": self.tau, "drafting_share": self.drafting_share}
+        """Every field (the nested reports as nested dicts) and the derived `tau` and `drafting_share`, for logging;
+        `schema` numbers the layout (it changes only when a field is renamed or removed)."""
+        return {"schema": STATS_SCHEMA, **asdict(self), "tau": self.tau, "drafting_share": self.drafting_share}
 
 
 def _validate(
@@ -148,9 +141,10 @@ def tree_speculative_decoding(
     _validate(model, drafter, input_ids, generation_config, model_kwargs, streamer)
     if synced_gpus:
         raise ValueError("synced_gpus (DeepSpeed ZeRO-3 / FSDP) is not supported with SpecBlock decoding.")
-    drafter.bind_target(model)
-    generators = [get_candidate_generator(drafter) for _ in range(input_ids.shape[0])]
-    adapter = online_adapter_for(drafter) if drafter.config.online_adaptation != "off" else None
+    state = drafter.serving_state(model)
+    served = drafter.served_for(model)  # the drafter itself, or a copy in the target's dtype and device
+    generators = [get_candidate_generator(served, state=state) for _ in range(input_ids.shape[0])]
+    adapter = online_adapter_for(served, state) if drafter.config.online_adaptation != "off" else None
     if adapter is not None:
         adapter.start_call(generators)
     auto_budget = auto_budget_for(drafter, model) if drafter.config.tree_budget == AUTO else None
@@ -192,12 +186,7 @@ def tree_speculative_decoding(
     per_row = [g.stats.accepted_by_source for g in generators]
     stats.accepted_by_source = {source: sum(counts[source] for counts in per_row) for source in per_row[0]}
     if adapter is not None:  # update after the call's last token, timed inside the call
-        report = adapter.finish_call(stats.new_tokens, time.perf_counter() - started, stats.tau)
-        stats.adaptation_action, stats.adaptation_time_s = report.action, report.update_time_s
-        stats.adaptation_signal, stats.adaptation_signal_wrong = report.signal, report.signal_wrong
-        stats.adaptation_rolled_back, stats.adaptation_restored_loaded = report.rolled_back, report.restored_loaded
-        stats.adaptation_held_out_gain = report.held_out_gain
-        stats.adaptation_candidate_gain, stats.adaptation_promoted = report.candidate_gain, report.promoted
+        stats.adaptation = copy.copy(adapter.finish_call(stats.new_tokens, time.perf_counter() - started, stats.tau))
     stats.total_time_s = time.perf_counter() - started
     drafter.last_stats = stats
     # a batch's cache holds rows that left and holes: only a single row's cache can be decoded on from
@@ -222,6 +211,14 @@ class _Loop:
     stats: SpecBlockStats = field(default_factory=SpecBlockStats)
     verified_size: int = 0  # drafted nodes per row the last step verified (its padded trees')
     host_stop_rule: HostStopRule | None = None  # the stopping criteria answered on the host, where they allow it
+
+    @property
+    def walk_stop_rule(self) -> HostStopRule:
+        """Where a walk along the accepted path ends (`TreeLogitsProcessor.walk`): the host rule, or else the maximum
+        length alone (other stopping criteria, e.g. stop strings, are checked when the tokens are committed)."""
+        if self.host_stop_rule is not None:
+            return self.host_stop_rule
+        return lambda length, token: length >= self.generation_config.max_length
 
     def prefill(
         self, input_ids: torch.LongTensor, mask_2d: torch.Tensor | None, generators: list[TreeCandidateGenerator]
@@ -288,17 +285,25 @@ class _Loop:
         # node's row would cost as much as the pick); the kept rows become float32 scores below
         plain_greedy = not self.generation_config.do_sample and not len(self.logits_processor)
         raw = result.logits if plain_greedy else result.logits.float()
-        processed = raw
-        if len(self.logits_processor):
+        processed, sample = raw, self.generation_config.do_sample
+        # accept
+        host_tokens = None  # each row's new tokens, where the host knows them (then `commit` reads nothing back)
+        if self.tree_processor.path_only:  # processors run on the accepted path's nodes only, as it is walked
+            processed, paths = raw.clone(), []
+            for i, (row, tree) in enumerate(zip(live, trees)):
+                path, row_bonus, processed[i, : len(tree)] = self.tree_processor.walk(
+                    row.sequence[None], raw[i, : len(tree)], tree, row.index, sample, self.walk_stop_rule
+                )
+                paths.append((path, row_bonus))
+        elif len(self.logits_processor):
             processed = raw.clone()
             for i, (row, tree) in enumerate(zip(live, trees)):
                 processed[i, : len(tree)] = self.tree_processor(row.sequence[None], raw[i, : len(tree)], tree, row.index)
-        # accept
-        host_tokens = None  # each row's new tokens, where the host knows them (then `commit` reads nothing back)
-        if self.generation_config.do_sample:
-            paths = [sample_accept(tree, processed[i, : len(tree)]) for i, tree in enumerate(trees)]
+        if self.tree_processor.path_only or sample:
+            if not self.tree_processor.path_only:
+                paths = [sample_accept(tree, processed[i, : len(tree)]) for i, tree in enumerate(trees)]
             kept = [[0] + path.tolist() for path, _ in paths]
-            bonus = torch.cat([b for _, b in paths])
+            bonus = torch.cat([b.to(batch.tokens.device) for _, b in paths])
         else:
             kept, bonus, host_bonus = greedy_accept_rows(batch, processed)
             if host_bonus is not None:

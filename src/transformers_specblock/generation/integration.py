@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import copy
 import functools
-import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -14,34 +13,50 @@ from transformers import GenerationConfig, LogitsProcessorList, PreTrainedModel,
 from transformers.generation import GenerateDecoderOnlyOutput, GenerationMixin, GenerationMode
 from transformers.generation.streamers import BaseStreamer
 
+from ..models.tree_drafter.configuration_tree_drafter import DRAFTING_SETTINGS
 from ..models.tree_drafter.modeling_tree_drafter import TreeDraftModel
 from .decoding import tree_speculative_decoding
 
 _STOCK_ASSISTED_DECODING = GenerationMixin._assisted_decoding
 _STOCK_VALIDATE_GENERATION_MODE = GenerationMixin._validate_generation_mode
-_SERVING: set[int] = set()  # id() of the drafters inside a tree-loop generate call now
-_SERVING_LOCK = threading.Lock()
+_STOCK_PREPARE_GENERATION_CONFIG = GenerationMixin._prepare_generation_config
+# transformers' own generation arguments that mean something for a tree drafter: the drafter setting each sets
+STOCK_SETTINGS = {"prompt_lookup_num_tokens": "prompt_lookup_num_tokens", "max_matching_ngram_size": "prompt_lookup_max_ngram_size"}
+
+
+def drafting_overrides(generation_config: GenerationConfig) -> dict[str, Any]:
+    """The drafter settings one `generate` call asks for: this package's own keyword arguments (`DRAFTING_SETTINGS`,
+    carried on the call's generation config) and the stock ones of `STOCK_SETTINGS` that were set."""
+    overrides = {
+        name: getattr(generation_config, name)
+        for name in DRAFTING_SETTINGS
+        if name in generation_config.__dict__ and name not in STOCK_SETTINGS
+    }
+    for stock, name in STOCK_SETTINGS.items():
+        if getattr(generation_config, stock, None) is not None:
+            overrides[name] = getattr(generation_config, stock)
+    return overrides
 
 
 @contextmanager
-def serving(drafter: TreeDraftModel) -> Iterator[None]:
-    """Mark `drafter` busy for one tree-loop `generate` call; a second call while it is busy (another thread, or a
-    streamer / stopping criterion calling generate again) is a RuntimeError. A drafter keeps per-call state (its KV
-    cache and tree of the running call, `last_stats`) and state shared across calls (the "auto" budget's estimates,
-    online adaptation's signal and in-place weight updates), which two interleaved calls would corrupt."""
-    with _SERVING_LOCK:
-        if id(drafter) in _SERVING:
-            raise RuntimeError(
-                f"This {type(drafter).__name__} is already drafting for another generate call (another thread, or "
-                "generate called again from a streamer or stopping criterion). One drafter object serves one call at "
-                "a time: give each thread its own drafter (copy.deepcopy(drafter), or load it again)."
-            )
-        _SERVING.add(id(drafter))
-    try:
-        yield
-    finally:
-        with _SERVING_LOCK:
-            _SERVING.discard(id(drafter))
+def serving(drafter: TreeDraftModel, overrides: dict[str, Any] | None = None) -> Iterator[TreeDraftModel]:
+    """One tree-loop `generate` call of `drafter`: busy meanwhile (a second call while it is busy, from another thread
+    or a streamer / stopping criterion calling generate again, is a RuntimeError), with `overrides` applied to its
+    settings for this call only."""
+    with drafter.serving_states.busy(type(drafter).__name__), drafter.tree_settings(**(overrides or {})):
+        yield drafter
+
+
+def _prepare_generation_config(
+    self: PreTrainedModel, generation_config: GenerationConfig | None, **kwargs: Any
+) -> tuple[GenerationConfig, dict[str, Any]]:
+    """Stock preparation; this package's drafter settings passed to `generate` are carried on the call's own copy of
+    the generation config (instead of being refused as unknown model arguments)."""
+    generation_config, model_kwargs = _STOCK_PREPARE_GENERATION_CONFIG(self, generation_config, **kwargs)
+    for name in DRAFTING_SETTINGS:
+        if name in model_kwargs:
+            setattr(generation_config, name, model_kwargs.pop(name))
+    return generation_config, model_kwargs
 
 
 def _assisted_decoding(
@@ -61,7 +76,7 @@ def _assisted_decoding(
     """`GenerationMixin._assisted_decoding`, routed to the tree loop when the assistant is a tree drafter and no
     `speculation_type` asks for transformers' own path (e.g. "dflash": a DFlash drafter verified as a chain)."""
     if isinstance(assistant_model, TreeDraftModel) and generation_config.speculation_type is None:
-        with serving(assistant_model):
+        with serving(assistant_model, drafting_overrides(generation_config)):
             return tree_speculative_decoding(
                 self, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus, streamer,
                 assistant_model, **model_kwargs,
@@ -77,6 +92,12 @@ def _validate_generation_mode(
 ) -> None:
     """Stock validation, preceded by SpecBlock's own checks when the assistant is a SpecBlock drafter."""
     assistant = generation_mode_kwargs.get("assistant_model")
+    asked = [name for name in DRAFTING_SETTINGS if name in generation_config.__dict__ and name not in STOCK_SETTINGS]
+    if asked and not isinstance(assistant, TreeDraftModel):
+        raise ValueError(
+            f"{asked} are settings of this package's tree drafters: pass a drafter as `assistant_model` (e.g. "
+            "SpecBlockDraftModel, or LookupTreeModel for prompt lookup without weights), or drop them."
+        )
     if isinstance(assistant, TreeDraftModel):
         assistant.check_target(self)
         if generation_mode != GenerationMode.ASSISTED_GENERATION:
@@ -94,12 +115,14 @@ def install() -> None:
     """Route `generate(assistant_model=<TreeDraftModel>)` to the tree loop (done on import)."""
     GenerationMixin._assisted_decoding = _assisted_decoding
     GenerationMixin._validate_generation_mode = _validate_generation_mode
+    GenerationMixin._prepare_generation_config = _prepare_generation_config
 
 
 def uninstall() -> None:
     """Restore transformers' own `_assisted_decoding` and validation."""
     GenerationMixin._assisted_decoding = _STOCK_ASSISTED_DECODING
     GenerationMixin._validate_generation_mode = _STOCK_VALIDATE_GENERATION_MODE
+    GenerationMixin._prepare_generation_config = _STOCK_PREPARE_GENERATION_CONFIG
 
 
 def generate(model: PreTrainedModel, *args: Any, assistant_model: PreTrainedModel | None = None, **kwargs: Any):
@@ -111,7 +134,10 @@ def generate(model: PreTrainedModel, *args: Any, assistant_model: PreTrainedMode
     if not isinstance(assistant_model, TreeDraftModel) or kwargs.get("speculation_type") is not None:
         return GenerationMixin.generate(model, *args, assistant_model=assistant_model, **kwargs)
     streamer = kwargs.pop("streamer", None)
-    decoding = functools.partial(_custom_decoding, assistant_model=assistant_model, streamer=streamer)
+    overrides = {name: kwargs.pop(name) for name in DRAFTING_SETTINGS if name in kwargs and name not in STOCK_SETTINGS}
+    decoding = functools.partial(
+        _custom_decoding, assistant_model=assistant_model, streamer=streamer, overrides=overrides
+    )
     return GenerationMixin.generate(model, *args, custom_generate=decoding, **kwargs)
 
 
@@ -123,14 +149,16 @@ def _custom_decoding(
     generation_config: GenerationConfig,
     assistant_model: TreeDraftModel | None = None,
     streamer: BaseStreamer | None = None,
+    overrides: dict[str, Any] | None = None,
     **model_kwargs: Any,
 ) -> GenerateDecoderOnlyOutput | torch.LongTensor:
-    """`custom_generate` callable: generate() prepared everything but dropped the streamer, so put the prompt here."""
+    """`custom_generate` callable: generate() prepared everything but dropped the streamer, so put the prompt here;
+    `overrides`: the drafter settings passed to `generate`, for this call only."""
     if generation_config.num_beams > 1:
         raise ValueError("SpecBlock drafting works with greedy decoding and sampling only: set num_beams=1.")
     if streamer is not None:
         streamer.put(input_ids.cpu())
-    with serving(assistant_model):
+    with serving(assistant_model, {**drafting_overrides(generation_config), **(overrides or {})}):
         return tree_speculative_decoding(
             model, input_ids, logits_processor, stopping_criteria, generation_config,
             streamer=streamer, assistant_model=assistant_model, **model_kwargs,

@@ -1,13 +1,16 @@
-"""Logits processing on a token tree: the user's `LogitsProcessorList` applied to every node on its own path."""
+"""Logits processing on a token tree: the user's `LogitsProcessorList` applied to every node on its own path (row-wise
+processors this package knows), or to the nodes of the accepted path only, in order (any other processor)."""
 
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 from transformers.generation import logits_process as lp
 
+from .acceptance import walk_accept
 from .tree import DraftTree
 
 
@@ -36,12 +39,14 @@ STATEFUL_PROCESSORS: tuple[type[LogitsProcessor], ...] = (
 
 
 class TreeLogitsProcessor(LogitsProcessor):
-    """Applies a standard `LogitsProcessorList` to every node of a draft tree on that node's own path prefix.
+    """Applies a standard `LogitsProcessorList` to the nodes of a draft tree, each on its own path prefix.
 
-    Nodes of equal depth share a prefix length, so row-wise processors (`ROW_WISE_PROCESSORS`: penalties, n-gram
-    bans, minimum lengths, warpers) see them as one batch. Any other processor, e.g. `PrefixConstrainedLogitsProcessor`
-    (which passes the row index as `batch_id`) or a user's own, is called once per node, as the row of the user's
-    batch that node belongs to. Processors that keep state between calls (`STATEFUL_PROCESSORS`) are refused.
+    Where every processor is row-wise (`ROW_WISE_PROCESSORS`: penalties, n-gram bans, minimum lengths, warpers) the
+    whole tree is processed at once, nodes of equal depth as one batch (`__call__`). Any other processor, e.g.
+    `PrefixConstrainedLogitsProcessor` (which passes the row index as `batch_id`) or a user's own, which may keep
+    state, is called only on the nodes of the path the target accepts, in order, once per committed token as in
+    plain decoding (`walk`), one row at a time, as the row of the user's batch that node belongs to. Processors known
+    to keep state that tree decoding cannot honour at all (`STATEFUL_PROCESSORS`) are refused.
     """
 
     def __init__(self, processors: LogitsProcessorList) -> None:
@@ -49,10 +54,33 @@ class TreeLogitsProcessor(LogitsProcessor):
         if stateful:
             raise ValueError(
                 f"{', '.join(stateful)} keeps state between calls (or pairs rows with the batch), which tree decoding "
-                "cannot honour: it calls logits processors on every drafted node, rejected ones included. Generate "
+                "cannot honour: tree decoding calls logits processors on drafted nodes and rows of its own. Generate "
                 "without assistant_model to use it."
             )
         self.processors = processors
+        self.path_only = any(not isinstance(p, ROW_WISE_PROCESSORS) for p in processors)
+
+    def walk(
+        self, input_ids: torch.LongTensor, scores: torch.FloatTensor, tree: DraftTree, row: int, do_sample: bool,
+        stops: Callable[[int, int], bool] | None = None,
+    ) -> tuple[torch.LongTensor, torch.LongTensor, torch.FloatTensor]:  # fmt: skip
+        """Accept along the path the target agrees with, processing only that path's nodes, in order (`walk_accept`).
+
+        input_ids: [1, S] one row's committed tokens (ending with the root); scores: [N+1, V] raw logits per node;
+        stops: (sequence length, last token) -> whether the sequence ends there (the walk stops with it). Returns the accepted nodes (root excluded), the bonus token [1] and the scores [N+1, V] with the visited
+        nodes' rows processed (the others are never read)."""
+        processed = scores.clone()
+        tokens = tree.tokens.to(input_ids.device)
+
+        def node_scores(node: int, path: list[int]) -> torch.FloatTensor:
+            prefix = torch.cat([input_ids, tokens[path][None]], dim=1)
+            processed[node] = self._apply(prefix, scores[node : node + 1].clone(), row)[0]
+            return processed[node]
+
+        length = input_ids.shape[1]
+        ends = (lambda accepted, token: stops(length + accepted, token)) if stops is not None else None
+        path, bonus = walk_accept(tree, node_scores, do_sample, stops=ends)
+        return path, bonus, processed
 
     def __call__(
         self, input_ids: torch.LongTensor, scores: torch.FloatTensor, tree: DraftTree, row: int = 0

@@ -23,7 +23,8 @@ from dataclasses import dataclass, field
 import torch
 
 from ..models.tree_drafter.modeling_tree_drafter import TreeDraftModel
-from .suffix_cache import Proposal, SuffixCandidates, SuffixSettings, suffix_cache_for, target_fingerprint
+from ..models.tree_drafter.serving_state import ServingState
+from .suffix_cache import Proposal, SuffixCandidates, SuffixSettings, suffix_store_of, target_fingerprint
 from .tree import DraftTree, HostTree
 
 
@@ -187,30 +188,27 @@ class LookupSettings:
         )  # fmt: skip
 
 
-def source_scores_for(drafter: TreeDraftModel, settings: LookupSettings) -> SourceScores:
-    """The learnt source scores of `drafter` for these free-candidate settings, kept on the drafter so what one
-    `generate` call learnt (which kinds of match the target accepts) carries over to the next."""
-    per_settings = drafter.__dict__.setdefault("_source_scores", {})
-    return per_settings.setdefault(settings, SourceScores())
-
-
-def free_candidates_for(drafter: TreeDraftModel) -> "FreeCandidates | None":
+def free_candidates_for(drafter: TreeDraftModel, state: ServingState | None = None) -> "FreeCandidates | None":
     """The free candidates of one `generate` call of `drafter` (None where its config turns none on), with the
-    drafter's learnt source scores and suffix store (bound to the target the drafter is bound to)."""
+    source scores learnt so far in `state` (the drafter's serving state for its target, so what one call learnt,
+    which kinds of match the target accepts, carries over to the next; fresh scores without one) and the suffix
+    store of the drafter that state belongs to (bound to the target the drafter is bound to)."""
     settings = LookupSettings.from_config(drafter.config)
     if not settings.enabled:
         return None
     suffix = settings.suffix
-    store = suffix_cache_for(drafter, suffix) if suffix.suffix_cache_num_tokens else None
-    fingerprint = target_fingerprint(drafter.__dict__.get("_target_embedding"))
+    states = state.owner if state is not None else drafter.serving_states
+    store = suffix_store_of(states, suffix) if suffix.suffix_cache_num_tokens else None
+    fingerprint = target_fingerprint(drafter.bound_embedding)
     local = suffix.suffix_cache_num_tokens or suffix.suffix_local_num_tokens
     suffix_candidates = SuffixCandidates(suffix, store, fingerprint) if local else None
-    return FreeCandidates(settings, source_scores_for(drafter, settings), suffix_candidates)
+    scores = state.source_scores.setdefault(settings, SourceScores()) if state is not None else SourceScores()
+    return FreeCandidates(settings, scores, suffix_candidates)
 
 
 class FreeCandidates:
     """The free candidate sources of one `generate` call's row: proposes their chains into a tree, learns their
-    scores (`scores`, shared between calls through `source_scores_for`). They read the row's committed text on the
+    scores (`scores`, shared between calls through the drafter's serving state). They read the row's committed text on the
     host (`text`): read from the device once, then extended with the tokens the loop reads back each step."""
 
     def __init__(

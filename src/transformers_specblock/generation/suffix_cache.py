@@ -182,17 +182,20 @@ def _submit(store: SuffixStore, text: list[int], tail: list[int]) -> None:
             store.lock.release()
 
 
-def suffix_cache_for(drafter, settings: SuffixSettings | None = None) -> SuffixStore:
-    """The suffix store of a drafter object (made on first use with the drafter config's bounds); `generate` calls
-    share it. It is kept in the object's __dict__: not a weight, never saved with the drafter."""
-    store = drafter.__dict__.get("_suffix_store")
-    if settings is None:
-        settings = SuffixSettings(**{name: getattr(drafter.config, name) for name in SuffixSettings.__dataclass_fields__})
-    if store is None:
-        store = drafter.__dict__.setdefault(
-            "_suffix_store", SuffixStore(settings.suffix_cache_max_tokens, settings.suffix_cache_max_requests)
-        )
-    with store.lock:  # settings changed since (tree_settings): the new bounds apply from the next request on
+def suffix_cache_for(drafter) -> SuffixStore:
+    """The suffix store of a drafter object (made on first use with its config's bounds), which its `generate` calls
+    share: kept in `drafter.serving_states`, never saved with the drafter (`save` / `load` write and read it)."""
+    settings = SuffixSettings(**{name: getattr(drafter.config, name) for name in SuffixSettings.__dataclass_fields__})
+    return suffix_store_of(drafter.serving_states, settings)
+
+
+def suffix_store_of(states, settings: SuffixSettings) -> SuffixStore:
+    """The suffix store of a drafter's serving states (`ServingStates`), made on first use; the bounds of
+    `settings` apply from the next request on (they may have changed since, e.g. under `tree_settings`)."""
+    if states.suffix_store is None:
+        states.suffix_store = SuffixStore(settings.suffix_cache_max_tokens, settings.suffix_cache_max_requests)
+    store = states.suffix_store
+    with store.lock:
         store.max_tokens, store.max_requests = settings.suffix_cache_max_tokens, settings.suffix_cache_max_requests
     return store
 

@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from ...models.eagle3.modeling_eagle3 import Eagle3DraftModel
 from ...models.specblock.modeling_specblock import SpecBlockDraftModel
 from ...models.tree_drafter.modeling_tree_drafter import TreeDraftModel
+from ...models.tree_drafter.serving_state import ServingState
 from ...utils import sync
 from ..candidate_generators.base import TreeCandidateGenerator
 from ..tree import DraftTree
@@ -195,7 +196,7 @@ class OnlineAdapter:
     def _train_candidate(self) -> float | None:
         """A head-only update: a candidate head trained from the loaded one (`update.train_candidate_head`) into
         `self.candidate`; the served head stays in place until the candidate has proven itself."""
-        loaded = self.drafter.__dict__["_loaded_weights"]
+        loaded = self.drafter.serving_states.loaded_weights
         trained = train_candidate_head(
             self.drafter, self.buffer, self.body_version, loaded["lm_head.weight"],
             self.drafter.config.adaptation_head_learning_rate,
@@ -249,7 +250,7 @@ class OnlineAdapter:
         first right after each step's root (the target probability of each one's top draft token, summed over the
         same depth-1 states); if the loaded one wins, put it back. This keeps a head adapted to one domain from
         costing tau when the stream moves on."""
-        loaded = self.drafter.__dict__.get("_loaded_weights")
+        loaded = self.drafter.serving_states.loaded_weights
         # depth 1 only: a tree's deeper samples exist because of what the current head got right, and its last one
         # mostly because it got it wrong, which would bias the comparison; depth 1 is there every step
         fresh = [s for s in self.fresh if s.body_version == self.body_version and s.depth == 1]
@@ -318,9 +319,10 @@ class OnlineAdapter:
         return [(n, p) for n, p in self.drafter.named_parameters() if id(p) in wanted]
 
 
-def online_adapter_for(drafter: TreeDraftModel) -> OnlineAdapter:
-    """The drafter's online adaptation state (created on first use, kept on the drafter so it carries over between
-    `generate` calls; `drafter.reset_adaptation()` drops it and restores the loaded weights)."""
+def online_adapter_for(drafter: TreeDraftModel, state: ServingState | None = None) -> OnlineAdapter:
+    """The online adaptation state of `drafter` (the drafter that drafts: `served_for(target)`) kept in `state` (by
+    default the drafter's serving state of the target served last), created on first use, so it carries over
+    between `generate` calls; `drafter.reset_adaptation()` drops it and restores the loaded weights."""
     if not any(p.numel() for p in drafter.parameters()):
         raise ValueError(
             f"{type(drafter).__name__} has no weights to adapt: set online_adaptation='off' (free candidates already "
@@ -331,11 +333,12 @@ def online_adapter_for(drafter: TreeDraftModel) -> OnlineAdapter:
             f"online_adaptation supports SpecBlock and EAGLE-3 drafters, not {type(drafter).__name__}: set "
             "online_adaptation='off' for it."
         )
-    if drafter.__dict__.get("_target_embedding") is None:
+    if drafter.bound_embedding is None:
         raise ValueError(
             f"online_adaptation={drafter.config.online_adaptation!r} needs a drafter bound to its target (the update "
             "reads the target's input embedding): call drafter.bind_target(target) first (generate() does it)."
         )
-    if "_online_adaptation" not in drafter.__dict__:
-        drafter.__dict__["_online_adaptation"] = OnlineAdapter(drafter)
-    return drafter.__dict__["_online_adaptation"]
+    state = state if state is not None else drafter.serving_state()
+    if state.adaptation is None or state.adaptation.drafter is not drafter:
+        state.adaptation = OnlineAdapter(drafter)
+    return state.adaptation

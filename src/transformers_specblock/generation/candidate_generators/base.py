@@ -14,6 +14,7 @@ from transformers.generation.candidate_generator import CandidateGenerator
 
 from ...models.tree_drafter.configuration_tree_drafter import AUTO
 from ...models.tree_drafter.modeling_tree_drafter import TreeDraftModel
+from ...models.tree_drafter.serving_state import ServingState
 from ...utils import sync
 from ..lookup import free_candidates_for
 from ..tree import SOURCE_BITS, UNKNOWN_ROOT, DraftTree, HostTree
@@ -70,7 +71,7 @@ class TreeCandidateGenerator(CandidateGenerator):
     reads_features = True  # whether `observe` needs the target's hidden states (else it gets [P, 0] features)
     grows_trees = True  # whether `grow_tree` drafts (else every tree is the free candidates' alone)
 
-    def __init__(self, drafter: TreeDraftModel, tree_budget: int | None = None) -> None:
+    def __init__(self, drafter: TreeDraftModel, tree_budget: int | None = None, state: ServingState | None = None) -> None:
         self.drafter = drafter
         budget = tree_budget if tree_budget is not None else drafter.config.tree_budget
         if budget == AUTO:  # the loop sets the budget every iteration; start from the largest candidate (candidates
@@ -81,7 +82,7 @@ class TreeCandidateGenerator(CandidateGenerator):
         self.queued: list[tuple[torch.Tensor, torch.LongTensor]] = []  # (features [P, 3H], next tokens [P])
         self.queued_first_position = 0
         self.has_read = False  # whether the drafter has read any context yet
-        self.free_candidates = free_candidates_for(drafter)
+        self.free_candidates = free_candidates_for(drafter, state)
         self.verified: DraftTree | None = None  # the last verified tree, until the loop commits its tokens
         eos = getattr(drafter.config, "eos_token_id", None)
         self.eos_token_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])

@@ -11,6 +11,7 @@ from transformers import DynamicCache
 
 from ...models.dflash.configuration_dflash import max_tree_nodes
 from ...models.dflash.modeling_dflash import DFlashDraftModel
+from ...models.tree_drafter.serving_state import ServingState
 from ..cache_utils import truncate_cache
 from ..tree import HostTree
 from .base import TreeCandidateGenerator, compiled_method
@@ -55,8 +56,11 @@ class DFlashCandidateGenerator(TreeCandidateGenerator):
     The block is drafted once, without seeing the tree: every node at depth d draws on position d's candidates.
     """
 
-    def __init__(self, drafter: DFlashDraftModel, tree_budget: int | None = None, top_k: int | None = None) -> None:
-        super().__init__(drafter, tree_budget)
+    def __init__(
+        self, drafter: DFlashDraftModel, tree_budget: int | None = None, top_k: int | None = None,
+        state: ServingState | None = None,
+    ) -> None:  # fmt: skip
+        super().__init__(drafter, tree_budget, state)
         config = drafter.config
         self.top_k = top_k if top_k is not None else config.tree_top_k
         self.depth = config.block_size - 1

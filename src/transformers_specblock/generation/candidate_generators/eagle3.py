@@ -9,6 +9,7 @@ import torch
 from transformers import DynamicCache
 
 from ...models.eagle3.modeling_eagle3 import Eagle3DraftModel, Eagle3Output
+from ...models.tree_drafter.serving_state import ServingState
 from ...utils import to_device
 from ..cache_utils import truncate_cache
 from ..tree import HostTree
@@ -44,8 +45,9 @@ class Eagle3CandidateGenerator(TreeCandidateGenerator):
         tree_budget: int | None = None,
         top_k: int | None = None,
         depth: int | None = None,
+        state: ServingState | None = None,
     ) -> None:
-        super().__init__(drafter, tree_budget)
+        super().__init__(drafter, tree_budget, state)
         config = drafter.config
         top_k = top_k if top_k is not None else config.tree_top_k
         self.depth = depth if depth is not None else config.tree_depth

@@ -10,6 +10,7 @@ import torch
 from transformers import DynamicCache
 
 from ...models.specblock.modeling_specblock import SpecBlockDraftModel, followup_block_mask, host_block_causal_mask
+from ...models.tree_drafter.serving_state import ServingState
 from ...utils import to_device
 from ..cache_utils import truncate_cache
 from ..tree import HostTree
@@ -48,8 +49,9 @@ class SpecBlockCandidateGenerator(TreeCandidateGenerator):
         tree_budget: int | None = None,
         max_blocks: int | None = None,
         tree_policy: str | None = None,
+        state: ServingState | None = None,
     ) -> None:
-        super().__init__(drafter, tree_budget)
+        super().__init__(drafter, tree_budget, state)
         config = drafter.config
         self.block_size = config.block_size
         self.max_blocks = max_blocks if max_blocks is not None else config.max_blocks

@@ -17,6 +17,7 @@ position is projected once. Module names follow the public checkpoints (`fc`, `h
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -144,10 +145,11 @@ class DFlashDraftModel(PublishedCheckpointMixin, TreeDraftModel):
     checkpoint_writers = {"dflash": export_dflash}
     main_input_name = "noise_embeds"
     _no_split_modules = ["DFlashDecoderLayer"]
+    _unpickled_attributes = (*TreeDraftModel._unpickled_attributes, "_target_lm_head")
 
     def __init__(self, config: DFlashConfig) -> None:
         super().__init__(config)
-        self.__dict__["_target_lm_head"] = None  # plain attributes, like the target embedding
+        self.__dict__["_target_lm_head"] = None  # a weak reference, like the target embedding
         self.__dict__["_target_softcap"] = None
         num_features = len(config.target_layer_ids)
         self.fc = nn.Linear(num_features * config.target_hidden_size, config.hidden_size, bias=False)
@@ -160,14 +162,15 @@ class DFlashDraftModel(PublishedCheckpointMixin, TreeDraftModel):
     def bind_target(self, target: PreTrainedModel, place: bool = True) -> None:
         """`TreeDraftModel.bind_target`, plus the target's output embedding (`lm_head`) for `draft_logits`."""
         super().bind_target(target, place)
-        self.__dict__["_target_lm_head"] = target.get_output_embeddings()
+        self.__dict__["_target_lm_head"] = weakref.ref(target.get_output_embeddings())
         self.__dict__["_target_softcap"] = getattr(target.config.get_text_config(), "final_logit_softcapping", None)
 
     def target_head(self) -> tuple[torch.Tensor, float | None]:
         """The bound target's output weight [V, H] and its final logit soft-cap (Gemma), if any."""
-        if self._target_lm_head is None:
+        head = self._target_lm_head() if self._target_lm_head is not None else None
+        if head is None:
             raise RuntimeError("The drafter is not bound to a target: call `drafter.bind_target(target)` first.")
-        return self._target_lm_head.weight, self._target_softcap
+        return head.weight, self._target_softcap
 
     def fuse_context(self, context_hidden_states: torch.Tensor) -> torch.Tensor:
         """[B, C, L * H_target] concatenated target hidden states -> [B, C, H] injected context."""
@@ -230,7 +233,7 @@ class DFlashDraftModel(PublishedCheckpointMixin, TreeDraftModel):
     def draft_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """[..., H] drafter outputs -> [..., V] logits from the target's own `lm_head`."""
         self.target_head()  # raises if unbound
-        head = self._target_lm_head
+        head = self._target_lm_head()
         return head(hidden_states.to(device=_execution_device(head), dtype=head.weight.dtype))
 
     def embed_block(self, anchor_ids: torch.LongTensor) -> torch.Tensor:

@@ -219,7 +219,7 @@ def _export_state(drafter: Any, layer_prefix: str) -> dict[str, torch.Tensor]:
         if key not in ("d2t", "t2d"):
             state[layer_prefix + key[len("layer.") :] if key.startswith("layer.") else key] = tensor
     if "embed_tokens.weight" not in state:
-        embedding = drafter.__dict__.get("_target_embedding")
+        embedding = drafter.bound_embedding
         if embedding is None:
             raise ValueError(
                 "An EAGLE-3 export must hold the token embedding (embed_tokens.weight), which this drafter reads from "

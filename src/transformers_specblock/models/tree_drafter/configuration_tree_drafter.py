@@ -22,6 +22,18 @@ DEFAULT_WARMUP_COST = 2.0  # the warm-up's trees cost the target at most two pla
 # online_adaptation policies: no update / whole drafter after every call (OSD-style) / output side after every call /
 # cost-aware choice between skip and whole drafter / cost-aware choice between skip, output side and whole drafter
 ADAPTATION_POLICIES = ("off", "always", "head_only", "full", "bandit")
+# The decoding and serving settings (not architecture): `generate(..., assistant_model=drafter, <name>=value)` sets
+# them for one call, `drafter.tree_settings(<name>=value)` for a block of calls.
+DRAFTING_SETTINGS = (
+    "tree_budget", "auto_budget_candidates", "auto_budget_warmup", "auto_budget_warmup_cost",
+    "auto_budget_explore_interval", "auto_budget_explore_share", "auto_budget_min_gain",
+    "prompt_lookup_num_tokens", "prompt_lookup_max_ngram_size", "prompt_lookup_min_ngram_size",
+    "prompt_lookup_branches", "ngram_cache_num_tokens", "ngram_cache_order",
+    "suffix_cache_num_tokens", "suffix_local_num_tokens", "suffix_cache_spec_factor", "suffix_cache_min_token_prob",
+    "suffix_cache_max_tokens", "suffix_cache_max_requests",
+    "online_adaptation", "adaptation_learning_rate", "adaptation_head_learning_rate", "adaptation_buffer_size",
+    "adaptation_top_k", "adaptation_context", "compile_drafter",
+)  # fmt: skip
 # Target families whose decoder stack and hidden-state layout the drafters understand.
 SUPPORTED_TARGET_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "gemma3")
 

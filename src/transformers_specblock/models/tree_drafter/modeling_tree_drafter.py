@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -16,6 +17,7 @@ from ...hub.modelcard import build_model_card
 from ...hub.provenance import resolve_base_model_id
 from ...hub.shipped import resolve_drafter_path
 from .configuration_tree_drafter import TreeDrafterConfig
+from .serving_state import ServingState, ServingStates
 
 
 def training_stat_names(num_slots: int) -> list[str]:
@@ -47,9 +49,13 @@ class TreeDraftModel(PreTrainedModel):
     _supports_flash_attn = False
     _supports_flex_attn = False
 
+    # plain attributes that reference the bound target (weakly) or cache derived tensors: not copied or pickled
+    _unpickled_attributes = ("_target_embedding", "_slot_inputs")
+
     def __init__(self, config, *args: Any, **kwargs: Any) -> None:
         super().__init__(config, *args, **kwargs)
-        self.__dict__["_target_embedding"] = None  # plain attribute: kept out of state_dict and .to()
+        self.__dict__["_target_embedding"] = None  # a weak reference to the target's embedding, once bound
+        self.serving_states = ServingStates()  # what serving learns and keeps (`serving_state`), never saved
         self.last_stats = None
         # draft id -> target id, and which target ids the draft vocabulary holds (saved with the weights)
         self.register_buffer("d2t", torch.arange(config.draft_vocab_size), persistent=True)
@@ -135,22 +141,22 @@ class TreeDraftModel(PreTrainedModel):
     def remember_loaded_weights(self) -> None:
         """Keep a copy of the weights as they are now (once: the first online update calls it), for
         `reset_adaptation` and for `save_pretrained` without `save_adapted`."""
-        if "_loaded_weights" not in self.__dict__:
-            self.__dict__["_loaded_weights"] = {n: p.detach().clone() for n, p in self.named_parameters()}
+        if self.serving_states.loaded_weights is None:
+            self.serving_states.loaded_weights = {n: p.detach().clone() for n, p in self.named_parameters()}
 
     @torch.no_grad()
     def reset_adaptation(self) -> None:
         """Undo online adaptation: the weights the drafter was loaded with (bit for bit), a fresh adaptation state."""
-        loaded = self.__dict__.pop("_loaded_weights", None)
+        loaded, self.serving_states.loaded_weights = self.serving_states.loaded_weights, None
         if loaded is not None:
             for name, param in self.named_parameters():
                 param.copy_(loaded[name])
-        self.__dict__.pop("_online_adaptation", None)  # buffer, bandit, optimizers (`generation.adaptation`)
+        self.serving_states.drop_adaptation()  # buffer, bandit, optimizers (`generation.adaptation`)
 
     @contextmanager
     def loaded_weights_in_place(self, active: bool) -> Iterator[None]:
         """Temporarily put the loaded weights back (when `active` and the drafter was adapted by online adaptation)."""
-        loaded = self.__dict__.get("_loaded_weights") if active else None
+        loaded = self.serving_states.loaded_weights if active else None
         if loaded is None:
             yield
             return
@@ -198,33 +204,76 @@ class TreeDraftModel(PreTrainedModel):
                 )
 
     def bind_target(self, target: PreTrainedModel, place: bool = True) -> None:
-        """Use `target`'s (frozen) input embedding as the drafter's token path, and follow the target.
+        """Use `target`'s (frozen) input embedding as the drafter's token path (held weakly: the drafter keeps no
+        target alive).
 
-        With `place` (what `generate` does on every call) the drafter moves to the device where the target's input
-        embedding runs (for a target spread over devices with `device_map`: where its first layers run) and its
-        floating-point weights are cast to the target's dtype, so it drafts at the target's precision with no
-        cross-device copy of the features. A drafter or target on the meta device (no weights) is refused.
-        Training passes `place=False`: its Trainer places the drafter and keeps float32 weights.
+        With `place` the drafter moves to the device where the target's input embedding runs (for a target spread
+        over devices with `device_map`: where its first layers run) and its floating-point weights are cast to the
+        target's dtype, so it drafts at the target's precision with no cross-device copy of the features. A drafter
+        or target on the meta device (no weights) is refused. `generate` does not place the user's drafter: it drafts
+        with `served_for(target)`. Training passes `place=False`: its Trainer places the drafter and keeps float32
+        weights.
         """
         self.check_target(target)
         embedding = target.get_input_embeddings()
         if place:
-            device = _execution_device(embedding)
-            if device.type == "meta":
-                raise ValueError(
-                    "The target's input embedding is on the meta device (no weights): load the target's weights "
-                    "(from_pretrained) before binding a drafter or generating."
-                )
-            tensors = [*self.parameters(), *self.buffers()]
-            if any(t.device.type == "meta" for t in tensors):
-                raise ValueError(
-                    f"This {type(self).__name__}'s weights are on the meta device (no data), so it cannot follow its "
-                    f"target to {device}: load them first (from_pretrained, or to_empty + load_state_dict)."
-                )
+            device = self._placement(target)
             dtype = target.dtype
+            tensors = [*self.parameters(), *self.buffers()]
             if any(t.device != device or (t.is_floating_point() and t.dtype != dtype) for t in tensors):
                 self.to(device=device, dtype=dtype)
-        self.__dict__["_target_embedding"] = embedding
+        self.__dict__["_target_embedding"] = weakref.ref(embedding)
+
+    def _placement(self, target: PreTrainedModel) -> torch.device:
+        """Where the drafter drafts for `target` (the device of its input embedding); refuses meta tensors."""
+        device = _execution_device(target.get_input_embeddings())
+        if device.type == "meta":
+            raise ValueError(
+                "The target's input embedding is on the meta device (no weights): load the target's weights "
+                "(from_pretrained) before binding a drafter or generating."
+            )
+        if any(t.device.type == "meta" for t in [*self.parameters(), *self.buffers()]):
+            raise ValueError(
+                f"This {type(self).__name__}'s weights are on the meta device (no data), so it cannot follow its "
+                f"target to {device}: load them first (from_pretrained, or to_empty + load_state_dict)."
+            )
+        return device
+
+    def serving_state(self, target: PreTrainedModel | None = None) -> ServingState:
+        """What this drafter keeps while serving `target` (`serving_state.ServingState`: "auto" choosers and cost
+        curves, source scores, online adaptation; made on first use); without `target`, the state of the target
+        served last."""
+        if target is not None:
+            return self.serving_states.for_target(target)
+        state = self.serving_states.latest
+        if state is None:
+            raise ValueError(
+                f"This {type(self).__name__} has not served a target that is still alive: pass the target, "
+                "`drafter.serving_state(target)`."
+            )
+        return state
+
+    def reset_serving_state(self) -> None:
+        """Forget everything serving learnt and kept (choosers, cost curves, source scores, suffix cache, online
+        adaptation's state, cast copies); the weights stay as they are (`reset_adaptation` restores loaded ones)."""
+        self.serving_states.clear()
+
+    def served_for(self, target: PreTrainedModel) -> "TreeDraftModel":
+        """The drafter that drafts for `target` in a `generate` call, bound to it: this one where its weights already
+        have the target's dtype and device, else a copy cast there (kept in the serving state, made again when these
+        weights change). The user's drafter is never cast or moved by serving."""
+        self.check_target(target)
+        served = self.serving_state(target).served_drafter(self, self._placement(target), target.dtype)
+        served.bind_target(target, place=False)
+        return served
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickling and `copy.deepcopy`: weights, config and statistics; no binding to a target, no serving state."""
+        state = dict(super().__getstate__())
+        for name in self._unpickled_attributes:
+            if name in state:
+                state[name] = None
+        return state
 
     def __getattr__(self, name: str) -> Any:
         # transformers' stock assisted decoding reads `assistant_model.generation_config`, which a tree drafter does
@@ -238,12 +287,19 @@ class TreeDraftModel(PreTrainedModel):
         return super().__getattr__(name)
 
     @property
+    def bound_embedding(self) -> nn.Module | None:
+        """The bound target's input embedding (None if unbound, or if that target was deleted)."""
+        ref = self.__dict__.get("_target_embedding")
+        return ref() if ref is not None else None
+
+    @property
     def target_embedding(self) -> nn.Module:
-        if self._target_embedding is None:
+        embedding = self.bound_embedding
+        if embedding is None:
             raise RuntimeError(
                 "The drafter is not bound to a target: call `drafter.bind_target(target)` (generate() does it)."
             )
-        return self._target_embedding
+        return embedding
 
     def embed_target_tokens(self, input_ids: torch.LongTensor) -> torch.Tensor:
         """Target token embeddings (no gradient: the target's embedding stays frozen)."""

@@ -1,0 +1,135 @@
+"""A drafter is a model, not a stateful server: what serving learns and keeps lives in one explicit object per
+(drafter, target), holding the target weakly; serving never casts or moves the user's drafter; settings passed to
+`generate` apply to that call only; copies and pickles work after any call."""
+
+from __future__ import annotations
+
+import copy
+import gc
+import pickle
+import weakref
+
+import pytest
+import torch
+
+from conftest import make_drafter, make_target
+from transformers_specblock import LookupTreeModel, SpecBlockDraftModel
+from transformers_specblock.generation.adaptation import online_adapter_for
+from transformers_specblock.generation.suffix_cache import suffix_cache_for
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+PROMPT = torch.tensor([[0, 5, 9, 3, 7, 2, 5, 9, 3, 7, 2, 5]])
+EVERY_FREE_SOURCE = dict(
+    prompt_lookup_num_tokens=4, ngram_cache_num_tokens=3, suffix_cache_num_tokens=8, suffix_local_num_tokens=4
+)
+
+
+def greedy(target, **kwargs) -> torch.LongTensor:
+    return target.generate(PROMPT, max_new_tokens=16, do_sample=False, **kwargs)
+
+
+def floating_dtypes(model) -> set[torch.dtype]:
+    return {t.dtype for t in [*model.parameters(), *model.buffers()] if t.is_floating_point()}
+
+
+def test_deepcopy_and_pickle_after_calls_with_every_free_source_and_adaptation():
+    target = make_target(vocab_size=32, seed=1)
+    drafter = make_drafter(target, tree_budget=8, online_adaptation="always", **EVERY_FREE_SOURCE)
+    expected = greedy(target)
+    for _ in range(2):  # the second call reads the suffix store and adapts again
+        assert torch.equal(greedy(target, assistant_model=drafter), expected)
+    assert len(suffix_cache_for(drafter)) == 2 and drafter.serving_state(target).adaptation is not None
+
+    for clone in (copy.deepcopy(drafter), pickle.loads(pickle.dumps(drafter))):
+        assert len(clone.serving_states) == 0 and clone.serving_states.suffix_store is None  # a fresh serving state
+        for (name, a), (_, b) in zip(drafter.state_dict().items(), clone.state_dict().items()):
+            assert torch.equal(a, b), name
+        assert torch.equal(greedy(target, assistant_model=clone), expected)  # and it serves
+    assert set(drafter.state_dict()) == set(make_drafter(target).state_dict())  # no serving state in the weights
+
+
+def test_a_16bit_target_leaves_a_float32_drafter_float32_and_saves_float32(tmp_path):
+    target = make_target(vocab_size=32, seed=2).to(torch.bfloat16)
+    drafter = make_drafter(target, tree_budget=8).float()
+    weights = {name: tensor.clone() for name, tensor in drafter.state_dict().items()}
+    expected = greedy(target)
+    assert torch.equal(greedy(target, assistant_model=drafter), expected)
+    assert floating_dtypes(drafter) == {torch.float32}
+    assert all(torch.equal(weights[name], tensor) for name, tensor in drafter.state_dict().items())
+    served = drafter.served_for(target)  # what drafted: a bfloat16 copy, kept for the next call
+    assert served is not drafter and floating_dtypes(served) == {torch.bfloat16}
+    assert served is drafter.served_for(target)
+
+    drafter.save_pretrained(tmp_path)
+    loaded = SpecBlockDraftModel.from_pretrained(tmp_path)
+    assert floating_dtypes(loaded) == {torch.float32} and loaded.config.dtype in (torch.float32, "float32")
+    for name, tensor in loaded.state_dict().items():
+        assert torch.equal(weights[name], tensor), name
+
+    with torch.no_grad():  # a change of the drafter's weights reaches the next call's copy
+        drafter.lm_head.weight.mul_(2)
+    assert drafter.served_for(target) is not served
+
+
+def test_a_drafter_holds_no_target_it_served_once_deleted():
+    drafter = make_drafter(make_target(vocab_size=32), tree_budget="auto", auto_budget_warmup=2, suffix_cache_num_tokens=8)
+    refs = []
+    for seed in (3, 4):  # two targets one after the other, each with "auto" (a cost curve) and the suffix cache
+        target = make_target(vocab_size=32, seed=seed)
+        greedy(target, assistant_model=drafter)
+        assert drafter.serving_state(target).auto_budget is not None
+        refs.append(weakref.ref(target))
+        suffix_cache_for(drafter).reset()  # the next target has other embeddings: its store must start empty
+        del target
+        gc.collect()
+    assert [ref() for ref in refs] == [None, None]
+    assert len(drafter.serving_states) == 0  # their states went with them
+    with pytest.raises(ValueError, match="has not served a target that is still alive"):
+        drafter.serving_state()
+
+
+def test_settings_passed_to_generate_apply_to_that_call_only():
+    target = make_target(vocab_size=32, seed=5)
+    lookup = LookupTreeModel.from_target(target, tree_budget=8, prompt_lookup_num_tokens=10)
+    expected = greedy(target)
+    assert torch.equal(greedy(target, assistant_model=lookup, prompt_lookup_num_tokens=1), expected)
+    nodes_one = max(lookup.last_stats.nodes_per_iteration)
+    assert torch.equal(greedy(target, assistant_model=lookup), expected)
+    nodes_ten = max(lookup.last_stats.nodes_per_iteration)
+    assert nodes_one <= lookup.config.prompt_lookup_branches < nodes_ten  # chains of 1 token vs up to 10
+    assert lookup.config.prompt_lookup_num_tokens == 10  # the call's setting did not stay
+
+    drafter = make_drafter(target, tree_budget=16)
+    assert torch.equal(greedy(target, assistant_model=drafter, tree_budget=2), expected)
+    assert max(drafter.last_stats.nodes_per_iteration) <= 2 and drafter.config.tree_budget == 16
+    assert torch.equal(greedy(target, assistant_model=drafter), expected)
+    assert max(drafter.last_stats.nodes_per_iteration) > 2
+
+    with pytest.raises(ValueError, match="tree_budget must be a positive int"):
+        greedy(target, assistant_model=drafter, tree_budget=0)
+    assert drafter.config.tree_budget == 16
+    with pytest.raises(ValueError, match=r"\['tree_budget'\] are settings of this package's tree drafters"):
+        greedy(target, tree_budget=4)
+
+
+def test_reset_serving_state_forgets_what_serving_learnt():
+    target = make_target(vocab_size=32, seed=6)
+    drafter = make_drafter(target, tree_budget="auto", auto_budget_warmup=2, suffix_cache_num_tokens=8)
+    expected = greedy(target, assistant_model=drafter)
+    assert len(suffix_cache_for(drafter)) == 1 and drafter.serving_state(target).auto_budgets
+    drafter.reset_serving_state()
+    assert len(drafter.serving_states) == 0 and drafter.serving_states.suffix_store is None
+    assert torch.equal(greedy(target, assistant_model=drafter), expected)
+
+
+def test_online_adaptation_of_a_cast_copy_leaves_the_users_weights_alone():
+    target = make_target(vocab_size=32, seed=7).to(torch.bfloat16)
+    drafter = make_drafter(target, tree_budget=8, online_adaptation="always").float()
+    weights = {name: tensor.clone() for name, tensor in drafter.state_dict().items()}
+    expected = greedy(target)
+    for _ in range(2):
+        assert torch.equal(greedy(target, assistant_model=drafter), expected)
+    adapter = online_adapter_for(drafter.served_for(target), drafter.serving_state(target))
+    assert adapter.drafter is drafter.served_for(target) and adapter.drafter is not drafter
+    assert all(torch.equal(weights[name], tensor) for name, tensor in drafter.state_dict().items())
