@@ -35,13 +35,13 @@ def main() -> None:
     target, tokenizer = load_packaged_model("smollm2-135m-instruct")
     if Path(resolve_drafter_path(args.drafter), "config.json").exists():
         specblock = SpecBlockDraftModel.from_pretrained(args.drafter).eval()
-        print(f"drafter: {args.drafter} (tree_budget={specblock.config.tree_budget!r}, free candidates on)")
+        print(f"drafter: {args.drafter} (tree_budget={specblock.generation_config.tree_budget!r}, free candidates on)")
     else:
         specblock = SpecBlockDraftModel.from_target(target, tree_policy="fixed", fixed_width=3, tree_budget=16)
         print(f"drafter: untrained (no drafter {args.drafter!r}) - expect tau near 1 and no speed-up")
     drafters = {"lookup tree": LookupTreeModel.from_target(target), "specblock": specblock}  # one object per stream
     start = time.perf_counter()  # "auto" times the target once per model and device: do it before timing anything
-    for ladder in {tuple(d.config.auto_budget_candidates) for d in drafters.values()}:  # one curve per ladder
+    for ladder in {tuple(d.generation_config.auto_budget_candidates) for d in drafters.values()}:  # one curve per ladder
         warm_up = LookupTreeModel.from_target(target, auto_budget_candidates=list(ladder))
         target.generate(**tokenizer("Hello", return_tensors="pt"), assistant_model=warm_up, max_new_tokens=2)
     print(f'timed the target once for tree_budget="auto": {time.perf_counter() - start:.1f} s')

@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> None:
                 "dataset": name,
                 "prompts": len(prompts),
                 "max_new_tokens": args.max_new_tokens,
-                "tree_budget": settings.get("tree_budget", drafter.config.tree_budget),
+                "tree_budget": settings.get("tree_budget", drafter.generation_config.tree_budget),
                 "tau": round(summary["tau"], 3),
                 "speedup_vs_plain": round(summary["speedup"], 3),
                 "tokens_per_s": round(summary["tokens_per_s"], 2),

@@ -467,7 +467,7 @@ def test_last_stats_consistency(target, drafter, deep_drafter, monkeypatch, kind
     assert committed >= new_tokens
     assert stats.iterations == len(stats.accepted_per_iteration) == len(stats.nodes_per_iteration) > 0
     assert all(a >= 1 for a in stats.accepted_per_iteration)
-    assert all(0 <= n <= assistant.config.tree_budget for n in stats.nodes_per_iteration)
+    assert all(0 <= n <= assistant.generation_config.tree_budget for n in stats.nodes_per_iteration)
     assert math.isclose(stats.tau, sum(stats.accepted_per_iteration) / len(stats.accepted_per_iteration))
     assert stats.drafter_forwards >= stats.iterations
     assert stats.drafter_time_s > 0 and stats.target_time_s > 0 and stats.total_time_s > 0

@@ -87,7 +87,7 @@ def test_every_row_equals_plain_batched_generate(one_thread, monkeypatch, name, 
 def test_auto_budget_in_a_batch_is_exact(one_thread, name):
     target = make_target("llama", vocab_size=VOCAB, seed=14)
     drafter = DRAFTERS[name](target)
-    drafter.config.tree_budget, drafter.config.auto_budget_warmup = "auto", 2
+    drafter.generation_config.tree_budget, drafter.generation_config.auto_budget_warmup = "auto", 2
     ids, mask = left_padded([6, 2, 17, 9], seed=14)
     for _ in range(2):  # the second call starts from what the first learnt
         plain, tree = plain_and_tree(target, drafter, ids, mask, max_new_tokens=24)

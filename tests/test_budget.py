@@ -13,7 +13,7 @@ from transformers_specblock.generation import CANDIDATE_GENERATOR_MAPPING
 from transformers_specblock.generation.budget import PLAIN, AutoBudget, auto_budget_for, best_budget
 from transformers_specblock.generation.target_cost import TargetCost
 from transformers_specblock.generation.tree import DraftTree
-from transformers_specblock.models.tree_drafter.configuration_tree_drafter import (
+from transformers_specblock.models.tree_drafter.generation_config import (
     DEFAULT_EXPLORE_SHARE,
     check_tree_budget,
 )

@@ -561,7 +561,7 @@ def test_a_published_checkpoint_needs_its_target(target, tmp_path):
     loaded = Eagle3DraftModel.from_pretrained(
         tmp_path, target_config=target.config, tree_budget=4, dtype=torch.bfloat16
     )
-    assert loaded.config.tree_budget == 4 and loaded.dtype == torch.bfloat16  # overrides and dtype apply
+    assert loaded.generation_config.tree_budget == 4 and loaded.dtype == torch.bfloat16  # overrides and dtype apply
     with pytest.raises(ValueError, match=r"\['low_cpu_mem_usage'\] are neither"):
         Eagle3DraftModel.from_pretrained(tmp_path, target=target, low_cpu_mem_usage=True)
 

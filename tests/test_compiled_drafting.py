@@ -18,7 +18,7 @@ def test_compile_drafter_is_a_checked_setting_and_off_calls_the_drafter_itself()
     with pytest.raises(ValueError, match="compile_drafter must be True or False"):
         Eagle3DraftModel.from_target(target, compile_drafter="yes")
     drafter = Eagle3DraftModel.from_target(target)
-    assert drafter.config.compile_drafter is False
+    assert drafter.generation_config.compile_drafter is False
     assert base.compiled_method(drafter, "draft_step") == drafter.draft_step
     assert base.compiled_method(drafter, "forward") is drafter  # a module's forward keeps its hooks
 

@@ -193,7 +193,7 @@ def test_lookup_tree_saves_and_loads(tmp_path):
     lookup = LookupTreeModel.from_target(target, prompt_lookup_num_tokens=7)
     lookup.save_pretrained(tmp_path)
     loaded = LookupTreeModel.from_pretrained(tmp_path)
-    assert loaded.config.prompt_lookup_num_tokens == 7 and loaded.config.tree_budget == "auto"
+    assert loaded.generation_config.prompt_lookup_num_tokens == 7 and loaded.generation_config.tree_budget == "auto"
     prompt = _repetitive_prompt(24, 0)
     assert target.generate(prompt, assistant_model=loaded, max_new_tokens=12).tolist() == target.generate(
         prompt, max_new_tokens=12

@@ -175,7 +175,7 @@ def test_buffer_is_bounded():
     buffer = online_adapter_for(drafter).buffer
     assert len(buffer) == 10 and drafter.last_stats.adaptation.signal > 10
     assert all(s.target_ids.shape == (5,) and s.target_probs.shape == (5,) for s in buffer.samples)
-    assert all(s.context is None or s.context[1].shape[0] <= drafter.config.adaptation_context for s in buffer.samples)
+    assert all(s.context is None or s.context[1].shape[0] <= drafter.generation_config.adaptation_context for s in buffer.samples)
     small = SignalBuffer(2)
     small.add([1, 2, 3])
     assert list(small.samples) == [2, 3]
@@ -486,7 +486,7 @@ def test_reset_restores_the_loaded_weights_bit_for_bit(tmp_path):
     target = make_target("llama", vocab_size=VOCAB, seed=1)
     _drafter("specblock", target).save_pretrained(tmp_path / "loaded")
     drafter = SpecBlockDraftModel.from_pretrained(tmp_path / "loaded", online_adaptation="always")
-    assert drafter.config.online_adaptation == "always"
+    assert drafter.generation_config.online_adaptation == "always"
     loaded = _weights(drafter)
     _serve(target, drafter, calls=3)  # (a bandit may end where it began: its rejected updates are thrown away)
     adapted = _weights(drafter)
@@ -507,7 +507,7 @@ def test_tree_settings_scope_the_policy():
     drafter = _drafter("eagle3", target)
     with drafter.tree_settings(online_adaptation="head_only"):
         assert _serve(target, drafter, calls=1) == [HEAD_ONLY]
-    assert drafter.config.online_adaptation == "off"
+    assert drafter.generation_config.online_adaptation == "off"
     assert _serve(target, drafter, calls=1) == ["off"]
 
 

@@ -83,7 +83,7 @@ def test_tree_settings_are_restored_after_an_exception(target):
     before = drafter.config.to_dict()
     with pytest.raises(Interrupted):
         with drafter.tree_settings(tree_budget=4, prompt_lookup_num_tokens=5, online_adaptation="head_only"):
-            assert drafter.config.tree_budget == 4
+            assert drafter.generation_config.tree_budget == 4
             raise Interrupted
     assert drafter.config.to_dict() == before
     with pytest.raises(ValueError):  # a refused value: nothing of the block's settings stays

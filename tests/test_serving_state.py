@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import gc
+import json
 import pickle
 import weakref
 
@@ -13,9 +14,13 @@ import pytest
 import torch
 
 from conftest import make_drafter, make_target
-from transformers_specblock import LookupTreeModel, SpecBlockDraftModel
+from transformers.utils import logging
+
+from transformers_specblock import Eagle3DraftModel, LookupTreeModel, SpecBlockDraftModel
+from transformers_specblock.models.tree_drafter.generation_config import DRAFTING_SETTINGS, TreeGenerationConfig
 from transformers_specblock.generation.adaptation import online_adapter_for
 from transformers_specblock.generation.suffix_cache import suffix_cache_for
+from transformers_specblock.generation.target_cost import _COST_CACHE, COST_CACHE_FILE, measure_target_cost
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -97,18 +102,18 @@ def test_settings_passed_to_generate_apply_to_that_call_only():
     nodes_one = max(lookup.last_stats.nodes_per_iteration)
     assert torch.equal(greedy(target, assistant_model=lookup), expected)
     nodes_ten = max(lookup.last_stats.nodes_per_iteration)
-    assert nodes_one <= lookup.config.prompt_lookup_branches < nodes_ten  # chains of 1 token vs up to 10
-    assert lookup.config.prompt_lookup_num_tokens == 10  # the call's setting did not stay
+    assert nodes_one <= lookup.generation_config.prompt_lookup_branches < nodes_ten  # chains of 1 token vs up to 10
+    assert lookup.generation_config.prompt_lookup_num_tokens == 10  # the call's setting did not stay
 
     drafter = make_drafter(target, tree_budget=16)
     assert torch.equal(greedy(target, assistant_model=drafter, tree_budget=2), expected)
-    assert max(drafter.last_stats.nodes_per_iteration) <= 2 and drafter.config.tree_budget == 16
+    assert max(drafter.last_stats.nodes_per_iteration) <= 2 and drafter.generation_config.tree_budget == 16
     assert torch.equal(greedy(target, assistant_model=drafter), expected)
     assert max(drafter.last_stats.nodes_per_iteration) > 2
 
     with pytest.raises(ValueError, match="tree_budget must be a positive int"):
         greedy(target, assistant_model=drafter, tree_budget=0)
-    assert drafter.config.tree_budget == 16
+    assert drafter.generation_config.tree_budget == 16
     with pytest.raises(ValueError, match=r"\['tree_budget'\] are settings of this package's tree drafters"):
         greedy(target, tree_budget=4)
 
@@ -133,3 +138,62 @@ def test_online_adaptation_of_a_cast_copy_leaves_the_users_weights_alone():
     adapter = online_adapter_for(drafter.served_for(target), drafter.serving_state(target))
     assert adapter.drafter is drafter.served_for(target) and adapter.drafter is not drafter
     assert all(torch.equal(weights[name], tensor) for name, tensor in drafter.state_dict().items())
+
+
+def test_decoding_settings_live_in_generation_config_json(tmp_path):
+    target = make_target(vocab_size=32, seed=8)
+    drafter = make_drafter(target, tree_budget=12, prompt_lookup_num_tokens=5, online_adaptation="bandit")
+    assert isinstance(drafter.generation_config, TreeGenerationConfig)
+    drafter.save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    assert not set(saved) & set(DRAFTING_SETTINGS) and "legacy_drafting_settings" not in saved
+    written = json.loads((tmp_path / "generation_config.json").read_text())
+    assert written["tree_budget"] == 12 and written["prompt_lookup_num_tokens"] == 5
+    loaded = SpecBlockDraftModel.from_pretrained(tmp_path)
+    assert loaded.generation_config.drafting_settings() == drafter.generation_config.drafting_settings()
+    assert SpecBlockDraftModel.from_pretrained(tmp_path, tree_budget=3).generation_config.tree_budget == 3
+
+
+def test_an_older_checkpoint_reads_its_config_json_settings_with_one_warning(tmp_path, caplog):
+    target = make_target(vocab_size=32, seed=9)
+    make_drafter(target).save_pretrained(tmp_path)
+    (tmp_path / "generation_config.json").unlink()
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "tree_budget": 6, "suffix_cache_num_tokens": 9}))
+    logger = logging.get_logger("transformers_specblock")
+    logger.propagate = True
+    logger.warning_once.cache_clear()  # once per process: count this test's
+    with caplog.at_level("WARNING"):
+        first = SpecBlockDraftModel.from_pretrained(tmp_path)
+        second = SpecBlockDraftModel.from_pretrained(tmp_path)
+    assert first.generation_config.tree_budget == second.generation_config.tree_budget == 6
+    assert first.generation_config.suffix_cache_num_tokens == 9
+    assert sum("are decoding settings" in record.message for record in caplog.records) == 1
+    assert "tree_budget" not in first.config.to_dict()
+
+
+def test_the_shipped_drafters_keep_their_decoding_settings():
+    expected = {  # what their config.json held before the settings moved
+        "tree_budget": "auto", "auto_budget_candidates": [0, 2, 4, 8, 16, 24, 32], "prompt_lookup_num_tokens": 10,
+        "ngram_cache_num_tokens": 8, "suffix_cache_num_tokens": 32, "suffix_cache_spec_factor": 4.0,
+        "online_adaptation": "off", "auto_budget_warmup_cost": 2.0,
+    }  # fmt: skip
+    for cls, name in ((SpecBlockDraftModel, "specblock"), (Eagle3DraftModel, "eagle3")):
+        drafter = cls.from_pretrained(f"{name}-smollm2-135m-instruct")
+        assert drafter.generation_config.drafting_settings(expected) == expected, name
+
+
+def test_cost_curves_are_kept_on_disk_and_a_new_process_reads_them(tmp_path):
+    target = make_target(vocab_size=32, seed=10)
+    forwards = []
+    target.register_forward_hook(lambda *args: forwards.append(1))
+    first = measure_target_cost(target, [0, 1, 2, 4], context_length=16, repeats=1, cache_dir=tmp_path)
+    assert forwards and (tmp_path / COST_CACHE_FILE).exists()
+    _COST_CACHE.clear()  # what a new process finds: nothing in memory, the file on disk
+    forwards.clear()
+    assert measure_target_cost(target, [0, 1, 2, 4], context_length=16, repeats=1, cache_dir=tmp_path) == first
+    assert not forwards  # read, not timed
+    half = copy.deepcopy(target).to(torch.bfloat16)  # another dtype is another curve
+    half.register_forward_hook(lambda *args: forwards.append(1))
+    measure_target_cost(half, [0, 1, 2, 4], context_length=16, repeats=1, cache_dir=tmp_path)
+    assert forwards and len(json.loads((tmp_path / COST_CACHE_FILE).read_text())) == 2

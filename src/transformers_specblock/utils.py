@@ -10,6 +10,12 @@ import numpy
 import torch
 
 
+# The transformers releases whose private GenerationMixin methods the `generate` router replaces (checked by signature
+# at import, `generation.integration.router_problems`); elsewhere the patch-free route works.
+SUPPORTED_TRANSFORMERS = ">=5.23,<5.24"
+PATCH_FREE_ROUTE = "transformers_specblock.generate(model, **inputs, assistant_model=drafter)"
+
+
 def to_device(host: numpy.ndarray | list, device: torch.device | str) -> torch.Tensor:
     """Host data (a numpy array or a list) on `device` without waiting for the device: on a GPU a blocking copy
     synchronises the stream (PyTorch waits for the copy and so for all queued work), while a non-blocking copy from

@@ -29,12 +29,13 @@ from typing import Callable
 
 from transformers import PreTrainedModel
 
-from ..models.tree_drafter.configuration_tree_drafter import (
+from ..models.tree_drafter.generation_config import (
     DEFAULT_EXPLORE_INTERVAL,
     DEFAULT_EXPLORE_SHARE,
     DEFAULT_WARMUP_COST,
 )
 from ..models.tree_drafter.modeling_tree_drafter import TreeDraftModel
+from ..hub.assets import default_cache_dir
 from ..utils import RecentMean
 from .lookup import LookupSettings
 from .target_cost import BATCH_CONTEXT, SMALL_SIZES, TargetCost, batch_bucket, measure_target_cost
@@ -338,20 +339,23 @@ def auto_budget_for(drafter: TreeDraftModel, target: PreTrainedModel) -> AutoBud
     per device, and what it learns about acceptance carries over between `generate` calls (as the drafter's own tree
     settings change too), except that other free-candidate settings (`generation.lookup`) get their own chooser: a
     drafter with and without prompt lookup draws different kinds of trees."""
-    config = drafter.config
+    config = drafter.generation_config
     candidates = list(config.auto_budget_candidates)
     state = drafter.serving_state(target)
     key = (str(target.device), tuple(candidates), LookupSettings.from_config(config))
     if key not in state.auto_budgets:
         sizes = sorted(set(candidates) | SMALL_SIZES)
         weak_target = weakref.ref(target)
+        cache_dir = default_cache_dir() if config.auto_budget_cost_cache else None
         state.auto_budgets[key] = AutoBudget(
-            candidates, measure_target_cost(target, sizes),
+            candidates, measure_target_cost(target, sizes, cache_dir=cache_dir),
             warmup=config.auto_budget_warmup,
             warmup_cost=config.auto_budget_warmup_cost,
             free_at_zero=key[-1].enabled,
             min_gain=config.auto_budget_min_gain,
-            measure=lambda batch_size: measure_target_cost(weak_target(), sizes, BATCH_CONTEXT, batch_size=batch_size),
+            measure=lambda batch_size: measure_target_cost(
+                weak_target(), sizes, BATCH_CONTEXT, batch_size=batch_size, cache_dir=cache_dir
+            ),
         )  # fmt: skip
     state.auto_budget = state.auto_budgets[key]  # the chooser of the latest call, for inspection
     return state.auto_budget

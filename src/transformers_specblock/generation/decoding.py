@@ -21,7 +21,7 @@ from transformers import DynamicCache, GenerationConfig, LogitsProcessorList, Pr
 from transformers.generation import GenerateDecoderOnlyOutput
 from transformers.generation.streamers import BaseStreamer
 
-from ..models.tree_drafter.configuration_tree_drafter import AUTO, TreeDrafterConfig
+from ..models.tree_drafter.generation_config import AUTO, TreeGenerationConfig
 from ..models.tree_drafter.modeling_tree_drafter import TreeDraftModel
 from ..utils import sync, to_device
 from .acceptance import greedy_accept_rows, kept_rows, sample_accept
@@ -144,10 +144,10 @@ def tree_speculative_decoding(
     state = drafter.serving_state(model)
     served = drafter.served_for(model)  # the drafter itself, or a copy in the target's dtype and device
     generators = [get_candidate_generator(served, state=state) for _ in range(input_ids.shape[0])]
-    adapter = online_adapter_for(served, state) if drafter.config.online_adaptation != "off" else None
+    adapter = online_adapter_for(served, state) if drafter.generation_config.online_adaptation != "off" else None
     if adapter is not None:
         adapter.start_call(generators)
-    auto_budget = auto_budget_for(drafter, model) if drafter.config.tree_budget == AUTO else None
+    auto_budget = auto_budget_for(drafter, model) if drafter.generation_config.tree_budget == AUTO else None
     # the drafter reads committed positions lazily, right before it drafts (none at all while "auto" chooses 0)
     drafts_ever = auto_budget is None or auto_budget.largest > 0
     loop = _Loop(
@@ -164,7 +164,7 @@ def tree_speculative_decoding(
         streamer.put(rows[0].sequence[-1:].cpu())
     live, visible = _retire(rows, loop.cache, visible)
     while live:
-        budget = loop.budget(len(live), generators[0].tree_budget, drafter.config)
+        budget = loop.budget(len(live), generators[0].tree_budget, drafter.generation_config)
         step_started, drafting_before = time.perf_counter(), _drafting_seconds(generators)
         drafted = [_draft(row.generator, row.committed, budget, loop.largest(budget), model.device) for row in live]
         visible, counts = loop.step(live, drafted, budget, visible)
@@ -254,7 +254,7 @@ class _Loop:
                 row.generator.queue(features[row.index, row.left_padding :], context, first_position=1)
         return rows, visible
 
-    def budget(self, live_rows: int, fixed: int, config: TreeDrafterConfig) -> int:
+    def budget(self, live_rows: int, fixed: int, config: TreeGenerationConfig) -> int:
         """This step's budget: the chooser's for the live batch, or the fixed one."""
         if self.auto_budget is None:
             return fixed

@@ -4,17 +4,21 @@ from __future__ import annotations
 
 import copy
 import functools
+import inspect
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import torch
+import transformers
 from transformers import GenerationConfig, LogitsProcessorList, PreTrainedModel, StoppingCriteriaList
 from transformers.generation import GenerateDecoderOnlyOutput, GenerationMixin, GenerationMode
 from transformers.generation.streamers import BaseStreamer
 
-from ..models.tree_drafter.configuration_tree_drafter import DRAFTING_SETTINGS
+from ..models.tree_drafter.generation_config import DRAFTING_SETTINGS
 from ..models.tree_drafter.modeling_tree_drafter import TreeDraftModel
+from ..utils import PATCH_FREE_ROUTE, SUPPORTED_TRANSFORMERS
 from .decoding import tree_speculative_decoding
 
 _STOCK_ASSISTED_DECODING = GenerationMixin._assisted_decoding
@@ -111,11 +115,56 @@ def _validate_generation_mode(
     _STOCK_VALIDATE_GENERATION_MODE(self, generation_mode, generation_config, generation_mode_kwargs)
 
 
-def install() -> None:
-    """Route `generate(assistant_model=<TreeDraftModel>)` to the tree loop (done on import)."""
+# The parameters of the stock methods the router replaces, as the supported transformers releases define them.
+ROUTED_SIGNATURES = {
+    "_assisted_decoding": (
+        "self", "input_ids", "logits_processor", "stopping_criteria", "generation_config", "synced_gpus", "streamer",
+        "inputs_tensor", "assistant_model", "assistant_tokenizer", "tokenizer", "model_kwargs",
+    ),
+    "_validate_generation_mode": ("self", "generation_mode", "generation_config", "generation_mode_kwargs"),
+    "_prepare_generation_config": ("self", "generation_config", "kwargs"),
+}  # fmt: skip
+
+
+def router_problems(stock: dict[str, Any] | None = None) -> list[str]:
+    """What differs between the stock methods the router replaces (`stock`: name -> method, by default this
+    transformers' own) and the signatures it was written for (`ROUTED_SIGNATURES`); empty where it may patch."""
+    if stock is None:
+        stock = {name: getattr(GenerationMixin, name, None) for name in ROUTED_SIGNATURES}
+    problems = []
+    for name, expected in ROUTED_SIGNATURES.items():
+        method = stock.get(name)
+        if method is None:
+            problems.append(f"GenerationMixin.{name} is missing")
+            continue
+        found = tuple(inspect.signature(method).parameters)
+        if found != expected:
+            problems.append(f"GenerationMixin.{name}{found} differs from {expected}")
+    return problems
+
+
+def install() -> bool:
+    """Route `generate(assistant_model=<TreeDraftModel>)` to the tree loop (done on import). Where this transformers'
+    internals differ from the ones the router replaces, nothing is patched (a warning names what differs) and
+    `generate(assistant_model=drafter)` raises an error naming the supported releases and the patch-free route.
+    Returns whether the router is installed."""
+    problems = router_problems({
+        "_assisted_decoding": _STOCK_ASSISTED_DECODING,
+        "_validate_generation_mode": _STOCK_VALIDATE_GENERATION_MODE,
+        "_prepare_generation_config": _STOCK_PREPARE_GENERATION_CONFIG,
+    })  # fmt: skip
+    if problems:
+        warnings.warn(
+            f"transformers {transformers.__version__} is not a release the generate router supports "
+            f"({SUPPORTED_TRANSFORMERS}): {'; '.join(problems)}. `generate(assistant_model=drafter)` is not routed to "
+            f"the tree loop; use the patch-free route, {PATCH_FREE_ROUTE}.",
+            stacklevel=2,
+        )
+        return False
     GenerationMixin._assisted_decoding = _assisted_decoding
     GenerationMixin._validate_generation_mode = _validate_generation_mode
     GenerationMixin._prepare_generation_config = _prepare_generation_config
+    return True
 
 
 def uninstall() -> None:

@@ -164,7 +164,7 @@ class SourceScores:
 
 @dataclass(frozen=True)
 class LookupSettings:
-    """The free-candidate settings of a drafter config (see `TreeDrafterConfig`)."""
+    """The free-candidate settings of a drafter's generation config (see `TreeGenerationConfig`)."""
 
     prompt_lookup_num_tokens: int = 0
     prompt_lookup_max_ngram_size: int = 3
@@ -193,7 +193,7 @@ def free_candidates_for(drafter: TreeDraftModel, state: ServingState | None = No
     source scores learnt so far in `state` (the drafter's serving state for its target, so what one call learnt,
     which kinds of match the target accepts, carries over to the next; fresh scores without one) and the suffix
     store of the drafter that state belongs to (bound to the target the drafter is bound to)."""
-    settings = LookupSettings.from_config(drafter.config)
+    settings = LookupSettings.from_config(drafter.generation_config)
     if not settings.enabled:
         return None
     suffix = settings.suffix

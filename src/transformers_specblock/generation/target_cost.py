@@ -1,18 +1,26 @@
 """The target's measured cost of verifying a tree (`tree_budget="auto"` weighs trees by it).
 
 `measure_target_cost` times the target's forward over chains of each size after a cached context, once per model,
-device and batch size; `TargetCost` interpolates the curve; `batch_bucket` maps a live batch to its curve.
+device and batch size, and (with a `cache_dir`) keeps the curve on disk per hardware, target architecture, dtype,
+device and batch size, like an autotuning cache, so a new process does not time the target again; `TargetCost`
+interpolates the curve; `batch_bucket` maps a live batch to its curve.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
+import tempfile
 import time
 import weakref
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
+from ..hub.provenance import cpu_capability, describe_device
 from ..utils import sync
 from .cache_utils import truncate_cache
 from .tree import DraftTree
@@ -27,6 +35,7 @@ MAX_RELATIVE_COST = 4.0  # larger trees are not timed once one costs this many p
 
 
 _COST_CACHE: "weakref.WeakKeyDictionary[PreTrainedModel, dict[str, TargetCost]]" = weakref.WeakKeyDictionary()
+COST_CACHE_FILE = "target-cost-curves.json"
 
 
 @dataclass
@@ -51,17 +60,24 @@ class TargetCost:
 @torch.no_grad()
 def measure_target_cost(
     target: PreTrainedModel, sizes: list[int], context_length: int = 256, repeats: int = 3, batch_size: int = 1,
-    max_relative_cost: float = MAX_RELATIVE_COST,
+    max_relative_cost: float = MAX_RELATIVE_COST, cache_dir: str | os.PathLike | None = None,
 ) -> TargetCost:  # fmt: skip
     """Time the target verifying chains of each size after a `context_length` cache in each of `batch_size` rows
     (min over repeats), cached per model, device and batch size. Size 0 is a plain decoding step (the root alone).
     Sizes above the first that costs more than `max_relative_cost` plain steps are not timed: where every verified
     token costs compute (a CPU, a large batch) the curve goes on as the straight line through its last two points, and
-    a first batched call does not spend a minute timing trees of thousands of tokens."""
+    a first batched call does not spend a minute timing trees of thousands of tokens. With `cache_dir` the curve is
+    read from (or, once timed, added to) `cache_dir/target-cost-curves.json`."""
     key = f"{target.device}:{context_length}:{sorted(sizes)}:{batch_size}:{max_relative_cost}"
     per_model = _COST_CACHE.setdefault(target, {})
     if key in per_model:
         return per_model[key]
+    disk_key = f"{hardware_fingerprint(target.device)}|{target_architecture_fingerprint(target)}|{target.dtype}|{key}"
+    if cache_dir is not None:
+        stored = _read_curves(Path(cache_dir)).get(disk_key)
+        if stored is not None:
+            per_model[key] = TargetCost(**stored)
+            return per_model[key]
     vocab = target.get_input_embeddings().num_embeddings
     generator = torch.Generator().manual_seed(0)
     context = torch.randint(0, vocab, (batch_size, context_length), generator=generator).to(target.device)
@@ -94,7 +110,42 @@ def measure_target_cost(
     # timing noise only ever adds time, and a larger tree never costs less: keep the cheapest of every larger size
     seconds = [min(seconds[i:]) for i in range(len(seconds))]
     per_model[key] = TargetCost(sorted(sizes)[: len(seconds)], seconds)
+    if cache_dir is not None:
+        _write_curve(Path(cache_dir), disk_key, per_model[key])
     return per_model[key]
+
+
+def hardware_fingerprint(device: torch.device) -> str:
+    """What a timing depends on besides the model: the device (GPU name, or CPU model, cores and its vector ISA),
+    the intra-op threads and the torch version."""
+    return f"{describe_device(device)}; {cpu_capability()}; {torch.get_num_threads()} threads; torch {torch.__version__}"
+
+
+def target_architecture_fingerprint(target: PreTrainedModel) -> str:
+    """A short hash of what the target's cost depends on: its architecture (the text config without names or paths)
+    and attention implementation, not its weights."""
+    config = {k: v for k, v in target.config.to_dict().items() if "name_or_path" not in k and k != "transformers_version"}
+    text = json.dumps([config, target.config._attn_implementation], sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _read_curves(cache_dir: Path) -> dict[str, dict]:
+    try:
+        return json.loads((cache_dir / COST_CACHE_FILE).read_text())
+    except (OSError, ValueError):  # none yet, or unreadable: time again
+        return {}
+
+
+def _write_curve(cache_dir: Path, key: str, curve: TargetCost) -> None:
+    """Add one curve to the cache file (written atomically; a cache that cannot be written is skipped)."""
+    try:
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        curves = _read_curves(cache_dir) | {key: asdict(curve)}
+        with tempfile.NamedTemporaryFile("w", dir=cache_dir, delete=False, suffix=".tmp") as handle:
+            json.dump(curves, handle, indent=1, sort_keys=True)
+        os.replace(handle.name, cache_dir / COST_CACHE_FILE)
+    except OSError:
+        return
 
 
 def batch_bucket(batch_size: int) -> int:

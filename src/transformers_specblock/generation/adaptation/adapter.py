@@ -91,8 +91,7 @@ class OnlineAdapter:
 
     def __init__(self, drafter: TreeDraftModel) -> None:
         self.drafter = drafter
-        config = drafter.config
-        self.buffer = SignalBuffer(config.adaptation_buffer_size)
+        self.buffer = SignalBuffer(drafter.generation_config.adaptation_buffer_size)
         self.bandits: dict[str, CostAwareBandit] = {}
         self.body_version = 0
         self.full_updates = 0  # whole-drafter updates run (none: the body is the loaded one)
@@ -103,17 +102,17 @@ class OnlineAdapter:
         self.recent_tau: deque[float] = deque(maxlen=REFERENCE_CALLS)
         self.report = AdaptationReport()
         self.fresh: list[SignalSample] = []  # this call's samples: held out until the update after it
-        self.to_draft = target_to_draft_ids(drafter.d2t, config.vocab_size)
+        self.to_draft = target_to_draft_ids(drafter.d2t, drafter.config.vocab_size)
 
     @property
     def policy(self) -> str:
-        return self.drafter.config.online_adaptation
+        return self.drafter.generation_config.online_adaptation
 
     # ---------------------------------------------------------------------------------------------------------
     def start_call(self, generators: list[TreeCandidateGenerator]) -> None:
         """Ask the generators (one per row) to keep what the signal needs; settings may have changed since the
         last call."""
-        config = self.drafter.config
+        config = self.drafter.generation_config
         for generator in generators:
             generator.keep_producers = True
             generator.context_size = config.adaptation_context
@@ -133,7 +132,7 @@ class OnlineAdapter:
     ) -> None:
         """Add one verified tree's signal (target_logits [N+1, V]: the verification's raw rows)."""
         samples = collect_signal(
-            generator, tree, path, bonus, target_logits, self.to_draft, self.drafter.config.adaptation_top_k,
+            generator, tree, path, bonus, target_logits, self.to_draft, self.drafter.generation_config.adaptation_top_k,
             self.body_version,
         )  # fmt: skip
         self.buffer.add(samples)
@@ -190,7 +189,7 @@ class OnlineAdapter:
     # ---------------------------------------------------------------------------------------------------------
     def _update_whole_drafter(self) -> float | None:
         return update_whole_drafter(
-            self.drafter, self.buffer, self.body_version, self.drafter.config.adaptation_learning_rate
+            self.drafter, self.buffer, self.body_version, self.drafter.generation_config.adaptation_learning_rate
         )
 
     def _train_candidate(self) -> float | None:
@@ -199,7 +198,7 @@ class OnlineAdapter:
         loaded = self.drafter.serving_states.loaded_weights
         trained = train_candidate_head(
             self.drafter, self.buffer, self.body_version, loaded["lm_head.weight"],
-            self.drafter.config.adaptation_head_learning_rate,
+            self.drafter.generation_config.adaptation_head_learning_rate,
         )  # fmt: skip
         if trained is None:
             return None
@@ -335,7 +334,7 @@ def online_adapter_for(drafter: TreeDraftModel, state: ServingState | None = Non
         )
     if drafter.bound_embedding is None:
         raise ValueError(
-            f"online_adaptation={drafter.config.online_adaptation!r} needs a drafter bound to its target (the update "
+            f"online_adaptation={drafter.generation_config.online_adaptation!r} needs a drafter bound to its target (the update "
             "reads the target's input embedding): call drafter.bind_target(target) first (generate() does it)."
         )
     state = state if state is not None else drafter.serving_state()

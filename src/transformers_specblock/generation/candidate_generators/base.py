@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from transformers.generation.candidate_generator import CandidateGenerator
 
-from ...models.tree_drafter.configuration_tree_drafter import AUTO
+from ...models.tree_drafter.generation_config import AUTO
 from ...models.tree_drafter.modeling_tree_drafter import TreeDraftModel
 from ...models.tree_drafter.serving_state import ServingState
 from ...utils import sync
@@ -24,9 +24,9 @@ _COMPILED: dict[tuple[type, str], Callable[..., Any]] = {}  # (drafter class, me
 
 
 def compiled_method(drafter: TreeDraftModel, name: str) -> Callable[..., Any]:
-    """`drafter.<name>`, under `torch.compile` when `drafter.config.compile_drafter` (inductor; CUDA graphs via
+    """`drafter.<name>`, under `torch.compile` when `drafter.generation_config.compile_drafter` (inductor; CUDA graphs via
     mode="reduce-overhead" on a GPU; dynamic shapes): compiled once per drafter class and method, for every call."""
-    if not drafter.config.compile_drafter:
+    if not drafter.generation_config.compile_drafter:
         return drafter if name == "forward" else getattr(drafter, name)  # a module's forward runs through its hooks
     key = (type(drafter), name)
     if key not in _COMPILED:
@@ -73,9 +73,9 @@ class TreeCandidateGenerator(CandidateGenerator):
 
     def __init__(self, drafter: TreeDraftModel, tree_budget: int | None = None, state: ServingState | None = None) -> None:
         self.drafter = drafter
-        budget = tree_budget if tree_budget is not None else drafter.config.tree_budget
+        budget = tree_budget if tree_budget is not None else drafter.generation_config.tree_budget
         if budget == AUTO:  # the loop sets the budget every iteration; start from the largest candidate (candidates
-            budget = max(1, *drafter.config.auto_budget_candidates)  # [0]: never drafts, its settings still check)
+            budget = max(1, *drafter.generation_config.auto_budget_candidates)  # [0]: never drafts, its settings still check)
         self.tree_budget = budget
         self.stats = DraftingStats()
         self.tree: DraftTree | None = None
@@ -176,9 +176,9 @@ class TreeCandidateGenerator(CandidateGenerator):
     def _free_budget(self) -> int:
         """The budget; under tree_budget="auto" a stretch being copied is verified whole, past it (see
         `draft_tree`)."""
-        if self.drafter.config.tree_budget != AUTO:
+        if self.drafter.generation_config.tree_budget != AUTO:
             return self.tree_budget
-        largest = max(self.drafter.config.auto_budget_candidates)
+        largest = max(self.drafter.generation_config.auto_budget_candidates)
         return max(self.tree_budget, min(self.free_candidates.long_chain, largest))
 
     def note_producers(

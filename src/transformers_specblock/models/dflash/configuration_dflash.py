@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..tree_drafter.configuration_tree_drafter import AUTO, TreeDrafterConfig
+from ..tree_drafter.configuration_tree_drafter import TreeDrafterConfig
 
 
 def dflash_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
@@ -55,7 +55,6 @@ class DFlashConfig(TreeDrafterConfig):
         block_size: int = 16,
         mask_token_id: int | None = None,
         tree_top_k: int = 8,
-        tree_budget: int | str = AUTO,
         loss_decay_gamma: float = 7.0,
         num_anchors: int = 32,
         layer_types: list[str] | None = None,
@@ -73,7 +72,6 @@ class DFlashConfig(TreeDrafterConfig):
             num_hidden_layers=num_hidden_layers,
             target_num_hidden_layers=target_num_hidden_layers,
             target_layer_ids=target_layer_ids,
-            tree_budget=tree_budget,
             **kwargs,
         )
 
@@ -122,13 +120,6 @@ class DFlashConfig(TreeDrafterConfig):
             )
         if not isinstance(self.tree_top_k, int) or self.tree_top_k < 1:
             raise ValueError(f"tree_top_k must be a positive int, got {self.tree_top_k!r}.")
-        budgets = [self.tree_budget] if self.tree_budget != AUTO else self.auto_budget_candidates
-        if max(budgets) > self.max_tree_size:
-            raise ValueError(
-                f"tree budget {max(budgets)} exceeds the {self.max_tree_size} nodes a block of {self.block_size} "
-                f"(depth {self.block_size - 1}) with tree_top_k={self.tree_top_k} can hold: raise block_size or "
-                "tree_top_k, or lower the budget."
-            )
         if self.loss_decay_gamma < 0:
             raise ValueError(f"loss_decay_gamma must be >= 0 (0 = no decay), got {self.loss_decay_gamma}.")
         if not isinstance(self.num_anchors, int) or self.num_anchors < 1:

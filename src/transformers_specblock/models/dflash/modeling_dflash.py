@@ -36,6 +36,7 @@ from transformers.models.llama.modeling_llama import (
 
 from ...utils import additive_mask
 from ..tree_drafter.checkpoint_io import PublishedCheckpointMixin
+from ..tree_drafter.generation_config import AUTO, TreeGenerationConfig
 from ..tree_drafter.modeling_tree_drafter import TreeDraftModel, _execution_device
 from .configuration_dflash import DFlashConfig
 from .convert_dflash import convert_published_dflash, detect_dflash_layout, export_dflash
@@ -158,6 +159,18 @@ class DFlashDraftModel(PublishedCheckpointMixin, TreeDraftModel):
         self.norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = LlamaRotaryEmbedding(config=config)
         self.post_init()
+
+    def check_drafting_settings(self, settings: TreeGenerationConfig) -> None:
+        """A tree budget (or the largest "auto" candidate) must fit in the tree one block can propose."""
+        super().check_drafting_settings(settings)
+        budget = settings.tree_budget
+        largest = max(settings.auto_budget_candidates) if budget == AUTO else budget
+        if largest > self.config.max_tree_size:
+            raise ValueError(
+                f"tree budget {largest} exceeds the {self.config.max_tree_size} nodes a block of "
+                f"{self.config.block_size} (depth {self.config.block_size - 1}) with tree_top_k={self.config.tree_top_k} "
+                "can hold: raise block_size or tree_top_k, or lower the budget."
+            )
 
     def bind_target(self, target: PreTrainedModel, place: bool = True) -> None:
         """`TreeDraftModel.bind_target`, plus the target's output embedding (`lm_head`) for `draft_logits`."""

@@ -14,8 +14,8 @@ class Eagle3Config(TreeDrafterConfig):
     layer whose attention reads concat(RMSNorm(target token embedding), RMSNorm(hidden)), and predicts the next token
     over a reduced draft vocabulary. At inference it grows a dynamic top-k tree (one drafter forward per depth level)
     that the target verifies in one forward of at most `tree_budget` drafted nodes. The target, decoder, draft
-    vocabulary and tree-budget settings are [`TreeDrafterConfig`]'s (EAGLE-3 has exactly one decoder layer; its
-    default budget is EAGLE's 59 = `total_tokens - 1`).
+    vocabulary settings are [`TreeDrafterConfig`]'s (EAGLE-3 has exactly one decoder layer); its decoding settings
+    are its `generation_config`'s (`TreeGenerationConfig`; the default budget is EAGLE's 59 = `total_tokens - 1`).
 
     Args:
         tree_top_k: Children kept per expanded node and frontier width per depth level (EAGLE default 10).
@@ -39,7 +39,6 @@ class Eagle3Config(TreeDrafterConfig):
         num_hidden_layers: int = 1,
         tree_top_k: int = 10,
         tree_depth: int = 7,
-        tree_budget: int | str = 59,
         ttt_steps: int = 7,
         ttt_decay: float = 0.8,
         own_token_embedding: bool = False,
@@ -56,7 +55,7 @@ class Eagle3Config(TreeDrafterConfig):
         self.tree_depth = tree_depth
         self.ttt_steps = ttt_steps
         self.ttt_decay = ttt_decay
-        super().__init__(num_hidden_layers=num_hidden_layers, tree_budget=tree_budget, **kwargs)
+        super().__init__(num_hidden_layers=num_hidden_layers, **kwargs)
 
     @property
     def token_embedding_size(self) -> int:

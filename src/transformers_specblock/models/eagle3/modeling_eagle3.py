@@ -177,6 +177,7 @@ class Eagle3PreTrainedModel(PublishedCheckpointMixin, TreeDraftModel):
     detect_published_layout = staticmethod(detect_eagle3_layout)
     convert_published = staticmethod(convert_published_eagle3)
     checkpoint_writers = {"eagle3": export_eagle3, "speculators": export_speculators}
+    generation_defaults = {"tree_budget": 59}  # EAGLE's total_tokens - 1
     config: Eagle3Config
     base_model_prefix = "eagle3"
     supports_gradient_checkpointing = False

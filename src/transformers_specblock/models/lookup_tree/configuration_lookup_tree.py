@@ -6,7 +6,7 @@ from typing import Any
 
 from transformers import PretrainedConfig
 
-from ..tree_drafter.configuration_tree_drafter import AUTO, TreeDrafterConfig
+from ..tree_drafter.configuration_tree_drafter import TreeDrafterConfig
 
 
 class LookupTreeConfig(TreeDrafterConfig):
@@ -14,7 +14,7 @@ class LookupTreeConfig(TreeDrafterConfig):
 
     Passed as `assistant_model`, a lookup tree makes `generate` verify a TREE of prompt-lookup chains (several
     matches, several branches) and n-gram-cache chains in one target forward, where transformers' own prompt lookup
-    verifies one chain. The free-candidate and budget settings are [`TreeDrafterConfig`]'s; here prompt lookup is on
+    verifies one chain. The free-candidate and budget settings are its `generation_config`'s; there prompt lookup is on
     by default (10 tokens per chain, up to 4 chains of 3- to 1-gram matches) with the n-gram cache (8 tokens) and the
     suffix cache (a tree of up to 32 nodes from the requests this lookup tree object served before), and the budget
     is "auto" (no tree at all where lookups are not accepted). The target-shape fields only record which
@@ -24,24 +24,8 @@ class LookupTreeConfig(TreeDrafterConfig):
     model_type = "lookup_tree"
     drafter_name = "lookup tree"
 
-    def __init__(
-        self,
-        tree_budget: int | str = AUTO,
-        prompt_lookup_num_tokens: int = 10,
-        ngram_cache_num_tokens: int = 8,
-        suffix_cache_num_tokens: int = 32,
-        **kwargs: Any,
-    ) -> None:
-        super().__init__(
-            tree_budget=tree_budget, prompt_lookup_num_tokens=prompt_lookup_num_tokens,
-            ngram_cache_num_tokens=ngram_cache_num_tokens, suffix_cache_num_tokens=suffix_cache_num_tokens, **kwargs,
-        )  # fmt: skip
-
-    def validate_settings(self) -> None:
-        super().validate_settings()
-        sources = ("prompt_lookup_num_tokens", "ngram_cache_num_tokens", "suffix_cache_num_tokens", "suffix_local_num_tokens")
-        if not any(getattr(self, name) for name in sources):
-            raise ValueError(f"A lookup tree needs a candidate source: set one of {', '.join(sources)} > 0.")
+    def __init__(self, **kwargs: Any) -> None:  # transformers gives a config class without one a generated __init__
+        super().__init__(**kwargs)
 
     @classmethod
     def from_target_config(cls, target_config: PretrainedConfig, **overrides: Any) -> "LookupTreeConfig":

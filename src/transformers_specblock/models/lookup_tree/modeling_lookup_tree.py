@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from transformers import PreTrainedModel
 
+from ..tree_drafter.generation_config import TreeGenerationConfig
 from ..tree_drafter.modeling_tree_drafter import TreeDraftModel
 from .configuration_lookup_tree import LookupTreeConfig
 
@@ -21,6 +22,8 @@ class LookupTreeModel(TreeDraftModel):
     """
 
     config_class = LookupTreeConfig
+    # prompt lookup (10 tokens per chain), the n-gram cache (8) and the suffix cache (32 nodes), under "auto"
+    generation_defaults = {"prompt_lookup_num_tokens": 10, "ngram_cache_num_tokens": 8, "suffix_cache_num_tokens": 32}
 
     def __init__(self, config: LookupTreeConfig) -> None:
         super().__init__(config)
@@ -33,6 +36,13 @@ class LookupTreeModel(TreeDraftModel):
     @property
     def dtype(self) -> torch.dtype:
         return torch.float32
+
+    def check_drafting_settings(self, settings: TreeGenerationConfig) -> None:
+        """A lookup tree needs at least one candidate source."""
+        super().check_drafting_settings(settings)
+        sources = ("prompt_lookup_num_tokens", "ngram_cache_num_tokens", "suffix_cache_num_tokens", "suffix_local_num_tokens")
+        if not any(getattr(settings, name) for name in sources):
+            raise ValueError(f"A lookup tree needs a candidate source: set one of {', '.join(sources)} > 0.")
 
     def check_target(self, target: PreTrainedModel) -> None:
         """Any target of the vocabulary this lookup tree was made for."""

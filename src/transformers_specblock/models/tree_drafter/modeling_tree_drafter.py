@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import os
 import weakref
 from collections.abc import Iterator
@@ -9,15 +10,23 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
+import transformers
 from torch import nn
 from transformers import PreTrainedModel
 from transformers import initialization as init
+from transformers.generation import GenerationMixin
+from transformers.utils import logging
 
 from ...hub.modelcard import build_model_card
 from ...hub.provenance import resolve_base_model_id
 from ...hub.shipped import resolve_drafter_path
+from ...utils import PATCH_FREE_ROUTE, SUPPORTED_TRANSFORMERS
 from .configuration_tree_drafter import TreeDrafterConfig
+from .generation_config import DRAFTING_SETTINGS, TreeGenerationConfig
 from .serving_state import ServingState, ServingStates
+
+
+logger = logging.get_logger(__name__)
 
 
 def training_stat_names(num_slots: int) -> list[str]:
@@ -31,6 +40,9 @@ def training_stat_names(num_slots: int) -> list[str]:
         + [f"ce_count_slot{k}" for k in range(num_slots)]
         + ["accept_sum", "accept_count", "rank_correct", "rank_count"]
     )
+
+
+HUB_KWARGS = ("cache_dir", "force_download", "local_files_only", "token", "revision", "subfolder")
 
 
 class TreeDraftModel(PreTrainedModel):
@@ -51,15 +63,38 @@ class TreeDraftModel(PreTrainedModel):
 
     # plain attributes that reference the bound target (weakly) or cache derived tensors: not copied or pickled
     _unpickled_attributes = ("_target_embedding", "_slot_inputs")
+    # this drafter class's decoding defaults, over `TreeGenerationConfig`'s (a checkpoint without
+    # generation_config.json gets them)
+    generation_defaults: dict[str, Any] = {}
 
     def __init__(self, config, *args: Any, **kwargs: Any) -> None:
         super().__init__(config, *args, **kwargs)
         self.__dict__["_target_embedding"] = None  # a weak reference to the target's embedding, once bound
         self.serving_states = ServingStates()  # what serving learns and keeps (`serving_state`), never saved
+        self.generation_config = self.default_generation_config(config)
         self.last_stats = None
+
         # draft id -> target id, and which target ids the draft vocabulary holds (saved with the weights)
         self.register_buffer("d2t", torch.arange(config.draft_vocab_size), persistent=True)
         self.register_buffer("t2d", torch.arange(config.vocab_size) < config.draft_vocab_size, persistent=True)
+
+    @classmethod
+    def default_generation_config(cls, config: TreeDrafterConfig) -> TreeGenerationConfig:
+        """The decoding settings of a drafter with no `generation_config.json`: this class's defaults, then the
+        decoding settings an older `config.json` still holds (read once, with a deprecation warning)."""
+        legacy = getattr(config, "legacy_drafting_settings", None) or {}
+        if legacy:
+            logger.warning_once(
+                f"{sorted(legacy)} in a drafter's config.json are decoding settings, read into its `generation_config` "
+                "(saved as generation_config.json). Save the drafter again to move them there; config.json keys will "
+                "not be read in a future version."
+            )
+        return TreeGenerationConfig(**{**cls.generation_defaults, **legacy})
+
+    def check_drafting_settings(self, settings: TreeGenerationConfig) -> None:
+        """Raise a ValueError naming the first setting of `settings` this drafter cannot draft with (subclasses add
+        their own checks)."""
+        settings.validate_settings()
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
@@ -71,12 +106,26 @@ class TreeDraftModel(PreTrainedModel):
     @classmethod
     def from_target(cls, target: PreTrainedModel, **overrides: Any) -> "TreeDraftModel":
         """A freshly initialised drafter sized for `target` (see the config's `from_target_config`)."""
+        settings = {name: overrides.pop(name) for name in DRAFTING_SETTINGS if name in overrides}
         config = cls.config_class.from_target_config(target.config, **overrides)
         config.target_name_or_path = target.name_or_path or target.config.get_text_config().model_type
         config.base_model_id = resolve_base_model_id(target.name_or_path)  # a Hub id or None, never a path
         drafter = cls(config).to(device=target.device, dtype=target.dtype).eval()
+        drafter.set_drafting_settings(**settings)
         drafter.bind_target(target)
         return drafter
+
+    def set_drafting_settings(self, **settings: Any) -> None:
+        """Change decoding settings of `generation_config` for good (validated; `tree_settings` changes them for a
+        block of code, `generate(..., <name>=value)` for one call)."""
+        unknown = sorted(set(settings) - set(DRAFTING_SETTINGS))
+        if unknown:
+            raise ValueError(f"{unknown} are not decoding settings; known: {list(DRAFTING_SETTINGS)}.")
+        updated = copy.deepcopy(self.generation_config)
+        for name, value in settings.items():
+            setattr(updated, name, value)
+        self.check_drafting_settings(updated)
+        self.generation_config = updated
 
     @classmethod
     def from_pretrained(
@@ -93,17 +142,31 @@ class TreeDraftModel(PreTrainedModel):
         (`hub.shipped.resolve_drafter_path`).
         """
         path = resolve_drafter_path(pretrained_model_name_or_path)
+        settings = {name: kwargs.pop(name) for name in DRAFTING_SETTINGS if name in kwargs}
+        hub_kwargs = {name: kwargs[name] for name in HUB_KWARGS if name in kwargs}
         if not strict:
             model = super().from_pretrained(path, *args, **kwargs)
-            (model[0] if isinstance(model, tuple) else model).check_draft_vocab()
-            return model
-        wants_info = kwargs.pop("output_loading_info", False)
-        shapes_tolerated = kwargs.get("ignore_mismatched_sizes", False)
-        kwargs["ignore_mismatched_sizes"] = True  # report a misshapen weight by name instead of a RuntimeError
-        model, info = super().from_pretrained(path, *args, output_loading_info=True, **kwargs)
-        check_loading_info(info, cls.__name__, str(pretrained_model_name_or_path), shapes_tolerated)
-        model.check_draft_vocab()
-        return (model, info) if wants_info else model
+            loaded = model[0] if isinstance(model, tuple) else model
+        else:
+            wants_info = kwargs.pop("output_loading_info", False)
+            shapes_tolerated = kwargs.get("ignore_mismatched_sizes", False)
+            kwargs["ignore_mismatched_sizes"] = True  # report a misshapen weight by name instead of a RuntimeError
+            loaded, info = super().from_pretrained(path, *args, output_loading_info=True, **kwargs)
+            check_loading_info(info, cls.__name__, str(pretrained_model_name_or_path), shapes_tolerated)
+            model = (loaded, info) if wants_info else loaded
+        loaded.check_draft_vocab()
+        loaded.load_generation_config(path, **hub_kwargs)
+        loaded.set_drafting_settings(**settings)
+        return model
+
+    def load_generation_config(self, pretrained_model_name_or_path: Any, **hub_kwargs: Any) -> None:
+        """Read the drafter's `generation_config.json` where the checkpoint has one (older checkpoints and published
+        layouts keep `default_generation_config`)."""
+        try:
+            self.generation_config = TreeGenerationConfig.from_pretrained(pretrained_model_name_or_path, **hub_kwargs)
+        except OSError:  # no generation_config.json
+            return
+        self.check_drafting_settings(self.generation_config)
 
     def check_draft_vocab(self) -> None:
         """Raise a ValueError unless `d2t` holds `draft_vocab_size` distinct target ids and `t2d` marks exactly them
@@ -128,13 +191,15 @@ class TreeDraftModel(PreTrainedModel):
     def save_pretrained(
         self, save_directory: str | os.PathLike, *args: Any, save_adapted: bool = False, **kwargs: Any
     ) -> Any:
-        """`PreTrainedModel.save_pretrained`, plus a generated Hub model card (`README.md`) from the config's records.
+        """`PreTrainedModel.save_pretrained`, plus the decoding settings (`generation_config.json`) and a generated Hub
+        model card (`README.md`) from the config's records.
 
         A drafter changed by online adaptation writes the weights it was loaded with unless `save_adapted=True`.
         """
         with self.loaded_weights_in_place(not save_adapted):
             result = super().save_pretrained(save_directory, *args, **kwargs)
         if kwargs.get("is_main_process", True):
+            self.generation_config.save_pretrained(save_directory)
             build_model_card(self).save(os.path.join(save_directory, "README.md"))
         return result
 
@@ -173,17 +238,25 @@ class TreeDraftModel(PreTrainedModel):
 
     @contextmanager
     def tree_settings(self, **settings: Any) -> Iterator["TreeDraftModel"]:
-        """Temporarily change tree settings of the config, e.g. `with drafter.tree_settings(tree_budget=16): ...`."""
-        unknown = [name for name in settings if not hasattr(self.config, name)]
+        """Temporarily change decoding settings (`generation_config`) or tree-shape settings of the config, e.g.
+        `with drafter.tree_settings(tree_budget=16, max_blocks=1): ...`; both are restored on exit."""
+        decoding = {name: value for name, value in settings.items() if name in DRAFTING_SETTINGS}
+        shape = {name: value for name, value in settings.items() if name not in decoding}
+        unknown = [name for name in shape if not hasattr(self.config, name)]
         if unknown:
             raise ValueError(f"{type(self.config).__name__} has no setting(s) {unknown}.")
-        saved = {name: getattr(self.config, name) for name in settings}
+        saved_generation_config = self.generation_config
+        saved = {name: getattr(self.config, name) for name in shape}
         try:
-            for name, value in settings.items():
+            if decoding:
+                self.set_drafting_settings(**decoding)
+            for name, value in shape.items():
                 setattr(self.config, name, value)
             self.config.validate_settings()
+            self.check_drafting_settings(self.generation_config)
             yield self
         finally:
+            self.generation_config = saved_generation_config
             for name, value in saved.items():
                 setattr(self.config, name, value)
 
@@ -276,13 +349,14 @@ class TreeDraftModel(PreTrainedModel):
         return state
 
     def __getattr__(self, name: str) -> Any:
-        # transformers' stock assisted decoding reads `assistant_model.generation_config`, which a tree drafter does
-        # not have: say what to do instead of a bare AttributeError (hasattr() still answers False)
-        if name == "generation_config":
+        # transformers' stock assisted decoding calls generation methods (`generate`, ...) of its assistant, which a
+        # tree drafter does not have: say what to do instead of a bare AttributeError (hasattr() still answers False)
+        if hasattr(GenerationMixin, name) and not name.startswith("__"):
             raise AttributeError(
-                f"{type(self).__name__} is a tree drafter: transformers' stock assisted decoding cannot run it. Route "
-                "generate() to the tree loop with `transformers_specblock.install()` (done on import), or call "
-                "`transformers_specblock.generate(model, ..., assistant_model=drafter)`."
+                f"{type(self).__name__} is a tree drafter: transformers' stock assisted decoding cannot run it. "
+                f"`transformers_specblock.install()` (done on import) routes generate() to the tree loop on transformers "
+                f"{SUPPORTED_TRANSFORMERS} (this is {transformers.__version__}); on any transformers use the "
+                f"patch-free route, {PATCH_FREE_ROUTE}."
             )
         return super().__getattr__(name)
 

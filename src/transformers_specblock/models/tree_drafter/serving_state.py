@@ -73,7 +73,8 @@ class ServingState:
         if self._cast is None or self._cast[0] != key:
             self._cast = (key, cast_copy(drafter, device, dtype))
         served = self._cast[1]
-        served.config = drafter.config  # one set of settings (`tree_settings` and per-call overrides reach both)
+        # one set of settings (`tree_settings` and per-call overrides reach both)
+        served.config, served.generation_config = drafter.config, drafter.generation_config
         return served
 
 

@@ -1,0 +1,210 @@
+"""The decoding and serving settings of a tree drafter: a `GenerationConfig`, saved as `generation_config.json`.
+
+A drafter's config (`TreeDrafterConfig`) describes its architecture and the target it reads; how it drafts (tree
+budget, "auto", free candidates, suffix cache, online adaptation, compiling) lives in its `generation_config`, a
+`TreeGenerationConfig`, as an assistant's decoding settings do in transformers. `generate(..., assistant_model=
+drafter, tree_budget=16)` overrides a setting for one call; `drafter.tree_settings(tree_budget=16)` for a block.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from transformers import GenerationConfig
+
+AUTO = "auto"
+DEFAULT_CANDIDATES = (0, 2, 4, 8, 16, 24, 32, 48, 64)
+DEFAULT_EXPLORE_INTERVAL = 32  # verified steps between two trees drafted above the chosen budget
+DEFAULT_EXPLORE_SHARE = 0.02  # ... at least; and at most this share of the decoding time goes to exploring
+DEFAULT_MIN_GAIN = 0.05  # speculating must promise 5% more tokens per second than plain decoding
+DEFAULT_WARMUP_COST = 2.0  # the warm-up's trees cost the target at most two plain steps (a GPU: the largest budget)
+# online_adaptation policies: no update / whole drafter after every call (OSD-style) / output side after every call /
+# cost-aware choice between skip and whole drafter / cost-aware choice between skip, output side and whole drafter
+ADAPTATION_POLICIES = ("off", "always", "head_only", "full", "bandit")
+# name -> default of every drafting setting (`TreeGenerationConfig`)
+DRAFTING_DEFAULTS: dict[str, Any] = {
+    "tree_budget": AUTO,
+    "auto_budget_candidates": list(DEFAULT_CANDIDATES),
+    "auto_budget_warmup": 8,
+    "auto_budget_warmup_cost": DEFAULT_WARMUP_COST,
+    "auto_budget_explore_interval": DEFAULT_EXPLORE_INTERVAL,
+    "auto_budget_explore_share": DEFAULT_EXPLORE_SHARE,
+    "auto_budget_min_gain": DEFAULT_MIN_GAIN,
+    "auto_budget_cost_cache": True,
+    "prompt_lookup_num_tokens": 0,
+    "prompt_lookup_max_ngram_size": 3,
+    "prompt_lookup_min_ngram_size": 1,
+    "prompt_lookup_branches": 4,
+    "ngram_cache_num_tokens": 0,
+    "ngram_cache_order": 2,
+    "suffix_cache_num_tokens": 0,
+    "suffix_local_num_tokens": 0,
+    "suffix_cache_spec_factor": 4.0,
+    "suffix_cache_min_token_prob": 0.1,
+    "suffix_cache_max_tokens": 65536,
+    "suffix_cache_max_requests": 256,
+    "online_adaptation": "off",
+    "adaptation_learning_rate": 2e-2,
+    "adaptation_head_learning_rate": 1e-3,
+    "adaptation_buffer_size": 256,
+    "adaptation_top_k": 32,
+    "adaptation_context": 8,
+    "compile_drafter": False,
+}
+DRAFTING_SETTINGS = tuple(DRAFTING_DEFAULTS)
+
+
+def check_tree_budget(value: int | str) -> None:
+    """A tree budget is a positive int or "auto"."""
+    if value != AUTO and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+        raise ValueError(f'tree_budget must be a positive int or "auto", got {value!r}.')
+
+
+def check_number(name: str, value: Any, valid: Callable[[float], bool], expected: str, kind: str = "a number") -> None:
+    """Raise a ValueError unless `value` is an int or float (not a bool) that is `valid`."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not valid(value):
+        raise ValueError(f"{name} must be {kind} {expected}, got {value!r}.")
+
+
+class TreeGenerationConfig(GenerationConfig):
+    r"""How a tree drafter drafts: the settings of `DRAFTING_DEFAULTS`, on top of transformers' `GenerationConfig`.
+
+    Args:
+        tree_budget: Nodes the target verifies per iteration at most (the root not counted), or "auto": time the
+            target once per model and device and pick, among `auto_budget_candidates`, the budget maximising
+            tau / (T_M + T_D), with tau learnt from the verified trees (the first `auto_budget_warmup` ones at the
+            largest candidate the target verifies for at most `auto_budget_warmup_cost` plain steps, then over a
+            window of recent steps). A candidate 0 means "do not speculate" and wins
+            where no tree pays for itself (a weak drafter on a slow device).
+        auto_budget_warmup_cost: With tree_budget="auto", the warm-up drafts with the largest candidate whose tree
+            the target verifies for at most this many plain steps, by the measured cost curve (on a GPU the largest
+            candidate; on a CPU, where a large tree costs several steps, a smaller one, so a first call does not pay
+            for trees that cannot pay); candidates above it are measured when exploring reaches them.
+        auto_budget_explore_interval: With tree_budget="auto", every this many verified steps one tree is drafted
+            above the chosen budget (also when the choice is 0), so larger budgets keep being measured and the
+            choice can move up again.
+        auto_budget_explore_share: ... and an exploring tree waits until the steps since the previous one took
+            1 / share times the seconds it is expected to cost beyond a step at the chosen budget, so exploring
+            takes at most about this share of the time (where a tree costs several plain steps, e.g. in float32 on
+            a CPU, explorations are further apart than the interval).
+        auto_budget_min_gain: With tree_budget="auto", a budget that speculates (a drafted tree, or the free
+            candidates' tree alone) is chosen only where it promises at least this much more tokens per second than
+            plain decoding (0.05: 5%): the estimates are noisy, and a marginal gain is not worth the risk of a loss.
+        auto_budget_cost_cache: With tree_budget="auto", keep the target's measured cost curves on disk (in
+            `$XDG_CACHE_HOME/transformers_specblock/target-cost-curves.json`, per hardware, target architecture, dtype,
+            device and batch size), so a new process reads them instead of timing the target again; False times the
+            target in every process and writes nothing.
+        prompt_lookup_num_tokens: Free candidates from prompt lookup (0 = off): where the text's last n-gram occurred
+            before (in the prompt or the generated text), the up to this many tokens that followed it become a chain
+            of the tree, beside the drafter's nodes (merged where they agree).
+        prompt_lookup_max_ngram_size / prompt_lookup_min_ngram_size: n-gram lengths matched, longest first.
+        prompt_lookup_branches: At most this many distinct lookup chains per tree (most recent matches first).
+        ngram_cache_num_tokens: Free candidates from a per-sequence n-gram cache (0 = off): a chain of up to this many
+            tokens, walking what most often followed each `ngram_cache_order`-gram of the committed text.
+        ngram_cache_order: Tokens of context of the n-gram cache.
+        suffix_cache_num_tokens: Free candidates from the suffix cache (0 = off): a bounded memory of the prompts and
+            answers this drafter object served, shared by all its calls (`generation.suffix_cache`); each step the
+            longest earlier occurrence of the text's end proposes a frequency-scored tree of up to this many nodes.
+        suffix_local_num_tokens: The same matching within the current prompt and answer (0 = off).
+        suffix_cache_spec_factor: A suffix-cache tree has at most this many nodes per matched token (SuffixDecoding's
+            `max_spec_factor`): a long match is drafted long. 4 (SuffixDecoding's default is 1): the learnt scores
+            and the tree budget prune what is proposed, and short matches proposing more measured higher tau on
+            every request stream (docs/benchmarks.md).
+        suffix_cache_min_token_prob: Suffix-cache nodes whose frequency-estimated probability falls below this are
+            left out.
+        suffix_cache_max_tokens / suffix_cache_max_requests: Bounds of the memory (tokens and requests kept; the
+            oldest requests are evicted first). It is never saved with the drafter (it holds users' text):
+            `suffix_cache_for(drafter).save(path)` writes it when asked.
+        Free candidates cost no drafter call; their nodes are scored by the acceptance rate each source earned in
+        this `generate` call, so pruning to `tree_budget` (and "auto") weighs them with the drafter's nodes.
+        online_adaptation: Learn from the verifier while serving (`generation.adaptation`): "off" (default); "always"
+            (update the whole drafter after every `generate` call, OSD-style); "head_only" (train a candidate output
+            side, `lm_head`, after every call, served once it beats the served one on the next call); "full" (a
+            cost-aware bandit choosing between skipping and a whole-drafter update); "bandit" (the cost-aware bandit
+            over skip / output side / whole drafter). The signal is the target distribution the verification already
+            computed; outputs are unchanged.
+        adaptation_learning_rate: Learning rate of a whole-drafter update's plain gradient steps (its output side
+            moves at half of it, the other weights at a twentieth).
+        adaptation_head_learning_rate: Adam learning rate of a head-only update (the candidate `lm_head`).
+        adaptation_buffer_size: Signal samples kept (the most recent; each holds the target's top-k and one drafter
+            state, and a replay context of `adaptation_context` positions for whole-drafter updates).
+        adaptation_top_k: Target probabilities kept per sample (the soft label of the update).
+        adaptation_context: Committed positions a whole-drafter update replays before each sample's position.
+        compile_drafter: Run the drafter's forwards under `torch.compile` (inductor on a CPU, CUDA graphs through
+            mode="reduce-overhead" on a GPU; shapes marked dynamic, so the growing cache and the changing number of
+            tree rows reuse one graph). Drafts are the same; the first calls pay the compilation. Off by default:
+            see docs/benchmarks.md for where it pays.
+    """
+
+    def __init__(self, **kwargs: Any) -> None:
+        settings = {name: kwargs.pop(name, default) for name, default in DRAFTING_DEFAULTS.items()}
+        super().__init__(**kwargs)
+        for name, value in settings.items():
+            setattr(self, name, list(value) if name == "auto_budget_candidates" else value)
+        self.validate_settings()
+
+    def drafting_settings(self, names: Any = DRAFTING_SETTINGS) -> dict[str, Any]:
+        """{name: value} of the drafting settings `names` (all by default)."""
+        return {name: getattr(self, name) for name in names}
+
+    def validate_settings(self) -> None:
+        """Raise a ValueError naming the first inconsistent drafting setting."""
+        check_tree_budget(self.tree_budget)
+        if not self.auto_budget_candidates or any(
+            not isinstance(b, int) or isinstance(b, bool) or b < 0 for b in self.auto_budget_candidates
+        ):
+            raise ValueError(
+                "auto_budget_candidates must be a non-empty list of ints >= 0 (0 = do not speculate), got "
+                f"{self.auto_budget_candidates}."
+            )
+        interval = self.auto_budget_explore_interval
+        if not isinstance(interval, int) or isinstance(interval, bool) or interval < 1:
+            raise ValueError(f"auto_budget_explore_interval must be an int >= 1, got {interval!r}.")
+        check_number("auto_budget_explore_share", self.auto_budget_explore_share, lambda x: 0 < x <= 1, "in (0, 1]")
+        check_number("auto_budget_warmup_cost", self.auto_budget_warmup_cost, lambda x: x >= 1, ">= 1")
+        check_number("auto_budget_min_gain", self.auto_budget_min_gain, lambda x: x >= 0, ">= 0")
+        for name in ("compile_drafter", "auto_budget_cost_cache"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}.")
+        self._validate_lookup_settings()
+        self._validate_adaptation_settings()
+
+    def _validate_lookup_settings(self) -> None:
+        counts = {
+            "prompt_lookup_num_tokens": (self.prompt_lookup_num_tokens, 0),
+            "prompt_lookup_max_ngram_size": (self.prompt_lookup_max_ngram_size, 1),
+            "prompt_lookup_min_ngram_size": (self.prompt_lookup_min_ngram_size, 1),
+            "prompt_lookup_branches": (self.prompt_lookup_branches, 1),
+            "ngram_cache_num_tokens": (self.ngram_cache_num_tokens, 0),
+            "ngram_cache_order": (self.ngram_cache_order, 1),
+            "suffix_cache_num_tokens": (self.suffix_cache_num_tokens, 0),
+            "suffix_local_num_tokens": (self.suffix_local_num_tokens, 0),
+            "suffix_cache_max_tokens": (self.suffix_cache_max_tokens, 1),
+            "suffix_cache_max_requests": (self.suffix_cache_max_requests, 1),
+        }
+        for name, (value, least) in counts.items():
+            if not isinstance(value, int) or isinstance(value, bool) or value < least:
+                raise ValueError(f"{name} must be an int >= {least}{' (0 = off)' if least == 0 else ''}, got {value!r}.")
+        if self.prompt_lookup_min_ngram_size > self.prompt_lookup_max_ngram_size:
+            raise ValueError(
+                f"prompt_lookup_min_ngram_size ({self.prompt_lookup_min_ngram_size}) must not exceed "
+                f"prompt_lookup_max_ngram_size ({self.prompt_lookup_max_ngram_size})."
+            )
+
+        check_number("suffix_cache_spec_factor", self.suffix_cache_spec_factor, lambda x: x > 0, "> 0")
+        check_number("suffix_cache_min_token_prob", self.suffix_cache_min_token_prob, lambda x: 0 <= x <= 1, "in [0, 1]",
+                     kind="a probability")  # fmt: skip
+
+    def _validate_adaptation_settings(self) -> None:
+        if self.online_adaptation not in ADAPTATION_POLICIES:
+            raise ValueError(
+                f"online_adaptation must be one of {ADAPTATION_POLICIES}, got {self.online_adaptation!r}."
+            )
+        for name in ("adaptation_learning_rate", "adaptation_head_learning_rate"):
+            rate = getattr(self, name)
+            if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not rate > 0:
+                raise ValueError(f"{name} must be a float > 0, got {rate!r}.")
+        for name in ("adaptation_buffer_size", "adaptation_top_k", "adaptation_context"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}.")

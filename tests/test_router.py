@@ -1,0 +1,43 @@
+"""The `generate` router patches transformers only where its private methods have the signatures it was written for;
+elsewhere `generate(assistant_model=drafter)` says which releases are supported and what to call instead."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers.generation import GenerationMixin
+
+import transformers_specblock
+from conftest import make_drafter, make_target
+from transformers_specblock.generation import integration
+
+PROMPT = torch.tensor([[0, 5, 9, 3, 7, 2]])
+
+
+def test_this_transformers_has_the_routed_signatures():
+    assert integration.router_problems() == []
+    assert GenerationMixin._assisted_decoding is integration._assisted_decoding
+
+
+def test_other_internals_are_not_patched_and_generate_names_the_fix(monkeypatch, one_thread):
+    target = make_target(vocab_size=32, seed=1)
+    drafter = make_drafter(target, tree_budget=4)
+    expected = target.generate(PROMPT, max_new_tokens=6, do_sample=False)
+
+    def changed(self, input_ids, logits_processor, stopping_criteria, generation_config, **model_kwargs):
+        raise AssertionError("never called")
+
+    transformers_specblock.uninstall()
+    monkeypatch.setattr(integration, "_STOCK_ASSISTED_DECODING", changed)  # a release whose method differs
+    try:
+        with pytest.warns(UserWarning, match=r"_assisted_decoding.*differs.*patch-free route"):
+            assert transformers_specblock.install() is False
+        assert GenerationMixin._assisted_decoding is not integration._assisted_decoding  # nothing patched
+        with pytest.raises(AttributeError, match=r"on transformers >=5.23,<5.24 .*transformers_specblock.generate"):
+            target.generate(PROMPT, max_new_tokens=6, do_sample=False, assistant_model=drafter)
+        out = transformers_specblock.generate(target, PROMPT, max_new_tokens=6, do_sample=False, assistant_model=drafter)
+        assert torch.equal(out, expected)  # the patch-free route works unpatched
+    finally:
+        monkeypatch.undo()
+        assert transformers_specblock.install() is True
+    assert torch.equal(target.generate(PROMPT, max_new_tokens=6, do_sample=False, assistant_model=drafter), expected)
