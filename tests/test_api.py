@@ -172,9 +172,9 @@ def test_auto_classes(tmp_path, target):
     config = AutoConfig.from_pretrained(tmp_path)
     assert isinstance(config, SpecBlockConfig)
     assert config.model_type == "specblock"
-    assert (config.block_size, config.tree_budget, config.vocab_size) == (3, 12, VOCAB)
+    assert (config.block_size, config.vocab_size) == (3, VOCAB)
     model = AutoModel.from_pretrained(tmp_path)
-    assert isinstance(model, SpecBlockDraftModel)
+    assert isinstance(model, SpecBlockDraftModel) and model.generation_config.tree_budget == 12
     for key, value in d.state_dict().items():
         assert torch.equal(model.state_dict()[key], value), key
 
@@ -240,14 +240,13 @@ def test_from_target_config_overrides_win():
         hidden_size=96,
         num_hidden_layers=1,
         block_size=3,
-        tree_budget=7,
         target_layer_ids=[1, 3, 8],
         draft_vocab_size=40,
     )
     assert config.hidden_size == 96
     assert config.head_dim == 96 // 6  # re-derived from the overridden hidden size
     assert config.target_hidden_size == 48  # still the target's
-    assert config.num_hidden_layers == 1 and config.block_size == 3 and config.tree_budget == 7
+    assert config.num_hidden_layers == 1 and config.block_size == 3
     assert config.target_layer_ids == [1, 3, 8]
     assert config.draft_vocab_size == 40
     explicit = SpecBlockConfig.from_target_config(target_config, hidden_size=96, head_dim=24)

@@ -12,6 +12,7 @@ from safetensors.torch import load_file, save_file
 import transformers_specblock
 from conftest import make_drafter, make_target
 from transformers_specblock import CUSTOM_GENERATE_DIR, SpecBlockConfig, SpecBlockDraftModel
+from transformers_specblock.models.tree_drafter import TreeGenerationConfig
 
 VOCAB = 128
 PROMPT = torch.tensor([[0, 5, 17, 33, 2, 9]])
@@ -293,8 +294,9 @@ def test_too_small_target():
 
 
 def test_valid_edge_values_are_accepted():
-    config = SpecBlockConfig(**BASE, block_size=1, tree_budget=1, draft_vocab_size=VOCAB, max_blocks=1)
-    assert (config.block_size, config.tree_budget, config.draft_vocab_size) == (1, 1, VOCAB)
+    config = SpecBlockConfig(**BASE, block_size=1, draft_vocab_size=VOCAB, max_blocks=1)
+    assert (config.block_size, config.draft_vocab_size) == (1, VOCAB)
+    assert TreeGenerationConfig(tree_budget=1).tree_budget == 1
 
 
 # --- settings decoding cannot use: the config refuses them, naming the setting and the allowed range --------------
@@ -326,5 +328,5 @@ def test_stock_assisted_decoding_after_uninstall_says_what_to_do(target, drafter
             target.generate(PROMPT, assistant_model=drafter, max_new_tokens=3, do_sample=False)
     finally:
         transformers_specblock.install()
-    assert not hasattr(drafter, "generation_config")  # transformers' hasattr checks still see no generation config
+    assert not hasattr(drafter, "generate")  # transformers' hasattr checks still see no generation method
     assert target.generate(PROMPT, assistant_model=drafter, max_new_tokens=3, do_sample=False).shape[1] == 9

@@ -65,7 +65,8 @@ def test_config_from_target(family, build):
     assert config.intermediate_size == 80 and config.num_hidden_layers == 1
     theta = float(target_config.rope_parameters["rope_theta"])
     assert config.rope_parameters == {"rope_type": "default", "rope_theta": theta}
-    assert (config.tree_top_k, config.tree_depth, config.tree_budget) == (10, 7, 59)
+    assert (config.tree_top_k, config.tree_depth) == (10, 7)
+    assert Eagle3DraftModel.default_generation_config(config).tree_budget == 59  # EAGLE's total_tokens - 1
     assert (config.ttt_steps, config.ttt_decay) == (7, 0.8)
     custom = Eagle3Config.from_target_config(target_config, draft_vocab_size=32, tree_top_k=4, hidden_size=24)
     assert (custom.draft_vocab_size, custom.tree_top_k, custom.hidden_size, custom.head_dim) == (32, 4, 24, 4)
@@ -215,6 +216,7 @@ def test_sampling_matches_target_distribution(sampling_setup, monkeypatch):
 # The dynamic tree
 # -------------------------------------------------------------------------------------------------------------------
 def _observed_generator(top_k, depth, budget, seed=0):
+    """(drafter, generator, features, tokens, target): the caller keeps the target alive (a drafter binds it weakly)."""
     target = make_target("llama", vocab_size=SMALL_VOCAB, seed=seed)
     d = make_eagle3(target, seed=seed, tree_top_k=top_k, tree_depth=depth, tree_budget=budget)
     d.bind_target(target)
@@ -225,12 +227,12 @@ def _observed_generator(top_k, depth, budget, seed=0):
     with torch.no_grad():
         generator.observe(features[:4], tokens[:4], first_position=1)  # two observe calls: the cache persists
         generator.observe(features[4:], tokens[4:], first_position=5)
-    return d, generator, features, tokens
+    return d, generator, features, tokens, target
 
 
 @pytest.mark.parametrize("top_k, depth, budget", [(1, 3, 100), (3, 0, 100), (3, 3, 100), (4, 2, 100), (3, 4, 9)])
 def test_tree_shape_forwards_and_cache(top_k, depth, budget):
-    d, generator, _, tokens = _observed_generator(top_k, depth, budget)
+    d, generator, _, tokens, _target = _observed_generator(top_k, depth, budget)
     committed = generator.cache.get_seq_length()
     assert committed == 6
     before = generator.stats.drafter_forwards
@@ -254,7 +256,7 @@ def test_tree_scores_match_sequential_drafting():
     the hidden of the position that produced it), equals the score increment the batched tree assigned it; and the
     expanded nodes are the top-k of their level."""
     top_k, depth = 4, 3
-    d, generator, features, tokens = _observed_generator(top_k, depth, budget=1000, seed=2)
+    d, generator, features, tokens, _target = _observed_generator(top_k, depth, budget=1000, seed=2)
     with torch.no_grad():
         tree = generator.draft_tree(tokens)
         for node in range(1, len(tree)):

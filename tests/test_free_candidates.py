@@ -11,7 +11,7 @@ import torch
 from conftest import make_drafter, make_target
 from test_eagle3 import make_eagle3
 from test_sampling_lossless import ALPHA, exact_marginals, fit_pvalues, sample_counts
-from transformers_specblock import LookupTreeConfig, LookupTreeModel
+from transformers_specblock import LookupTreeModel
 from transformers_specblock.generation.lookup import NgramCache, PromptLookup, SourceScores, prompt_lookup_chains
 from transformers_specblock.generation.tree import SOURCE_BITS, DraftTree, HostTree
 
@@ -182,7 +182,7 @@ def test_bad_lookup_settings_are_refused():
         with drafter.tree_settings(prompt_lookup_min_ngram_size=4, prompt_lookup_max_ngram_size=2):
             pass
     with pytest.raises(ValueError, match="needs a candidate source"):
-        LookupTreeConfig(prompt_lookup_num_tokens=0, ngram_cache_num_tokens=0, suffix_cache_num_tokens=0)
+        LookupTreeModel.from_target(target, prompt_lookup_num_tokens=0, ngram_cache_num_tokens=0, suffix_cache_num_tokens=0)
     lookup = LookupTreeModel.from_target(make_target("llama", vocab_size=32))
     with pytest.raises(ValueError, match="vocabulary of 32 tokens, but the target has 24"):
         target.generate(torch.tensor([[1, 2, 3]]), assistant_model=lookup, max_new_tokens=4)

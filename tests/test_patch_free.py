@@ -93,7 +93,9 @@ def test_patch_free_routes_with_stock_generation_mixin(tmp_path):
     assert proc.returncode == 0, proc.stderr[-4000:]
     report = json.loads(proc.stdout.split("REPORT ", 1)[1])
 
-    assert report["changed_on_import"] == ["_assisted_decoding", "_validate_generation_mode"]  # route 1's router
+    assert report["changed_on_import"] == [  # route 1's router
+        "_assisted_decoding", "_prepare_generation_config", "_validate_generation_mode"
+    ]
     assert report["changed_after_uninstall"] == []
     assert len(report["custom_generate_modules"]) == 1  # the custom generate module really was loaded here
     for route in ("custom_generate", "function"):

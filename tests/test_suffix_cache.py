@@ -185,9 +185,9 @@ def test_bad_suffix_settings_are_refused(one_thread):
     ]:
         with pytest.raises(ValueError, match=message):
             LookupTreeConfig(**{name: value})
-    with pytest.raises(ValueError, match="suffix_local_num_tokens"):  # named among the sources a lookup tree needs
-        LookupTreeConfig(prompt_lookup_num_tokens=0, ngram_cache_num_tokens=0, suffix_cache_num_tokens=0)
     target = make_target("llama", vocab_size=24)
+    with pytest.raises(ValueError, match="suffix_local_num_tokens"):  # named among the sources a lookup tree needs
+        LookupTreeModel.from_target(target, prompt_lookup_num_tokens=0, ngram_cache_num_tokens=0, suffix_cache_num_tokens=0)
     drafter = LookupTreeModel.from_target(target, suffix_cache_max_tokens=8, **SUFFIX)
     with pytest.raises(ValueError, match="suffix_cache_max_tokens=8 cannot hold one request: this prompt alone has 12"):
         target.generate(torch.arange(1, 13)[None], assistant_model=drafter, max_new_tokens=4)

@@ -67,10 +67,12 @@ def convert(source: str, output: str, to: str, target: str | None = None) -> Tre
     if to not in cls.checkpoint_writers:
         raise ValueError(f"A {cls.__name__} exports to {sorted(cls.checkpoint_writers)}, not {to!r}.")
     drafter = cls.from_pretrained(path)
+    target_model = None  # kept alive while the export reads its embedding (a drafter binds its target weakly)
     if to in WITH_TARGET_EMBEDDING:
         if target is None:
             raise ValueError(f"--to {to} needs --target: the export carries the target model's token embedding.")
-        drafter.bind_target(AutoModelForCausalLM.from_pretrained(resolve_model_path(target), dtype="auto"), place=False)
+        target_model = AutoModelForCausalLM.from_pretrained(resolve_model_path(target), dtype="auto")
+        drafter.bind_target(target_model, place=False)
     drafter.save_pretrained(output, checkpoint_format=to)
     return drafter
 

@@ -112,7 +112,7 @@ output stays exactly the target's own (greedy) or its distribution (sampling).
     return ModelCard(content)
 
 
-TREE_SETTINGS = ("block_size", "max_blocks", "tree_top_k", "tree_depth", "tree_budget", "ttt_steps")
+TREE_SETTINGS = ("block_size", "max_blocks", "tree_top_k", "tree_depth", "ttt_steps")
 TRAINING_ORDER = ("command", "sessions", "hardware", "data", "self_distilled", "datasets", "license", "train_steps",
                   "train_tokens", "train_time_minutes", "backfilled")  # fmt: skip
 

@@ -20,6 +20,7 @@ from transformers import PretrainedConfig, PreTrainedModel
 from transformers.utils import cached_file
 
 from ...hub.shipped import resolve_drafter_path
+from .generation_config import DRAFTING_SETTINGS
 
 HUB_KWARGS = ("cache_dir", "force_download", "local_files_only", "revision", "subfolder", "token", "proxies")
 """`from_pretrained` keyword arguments that only say where files come from (passed to `cached_file`)."""
@@ -342,8 +343,8 @@ class PublishedCheckpointMixin:
         `convert_*` module). A published checkpoint does not describe its target, so it needs `target` (the model:
         the drafter is then bound to it) or `target_config`; loading is strict (a missing, unexpected or misshapen
         weight, or a draft vocabulary that does not fit, is a ValueError naming the key). `dtype` ("auto": the
-        checkpoint's) and the file-access arguments apply; other keyword arguments override config settings
-        (e.g. `tree_budget=16`)."""
+        checkpoint's) and the file-access arguments apply; decoding settings (e.g. `tree_budget=16`) go to the
+        drafter's `generation_config`, other keyword arguments override config settings (e.g. `tree_top_k=8`)."""
         path = resolve_drafter_path(pretrained_model_name_or_path)
         hub_kwargs, rest = split_hub_kwargs(kwargs)
         config_dict = None
@@ -365,11 +366,12 @@ class PublishedCheckpointMixin:
         target_config = target.config if target is not None else target_config
         dtype = rest.pop("dtype", rest.pop("torch_dtype", "auto"))
         device = rest.pop("device_map", None)
+        settings = {name: rest.pop(name) for name in DRAFTING_SETTINGS if name in rest}
         unknown = [name for name in rest if name not in setting_names(cls.config_class)]
         if unknown:
             raise ValueError(
                 f"Loading a published {layout} checkpoint: {unknown} are neither file-access arguments, dtype, "
-                f"device_map nor settings of {cls.config_class.__name__}."
+                f"device_map, decoding settings nor settings of {cls.config_class.__name__}."
             )
         state_dict, filename = read_state_dict(path, hub_kwargs)
         checkpoint = PublishedCheckpoint(path, f"{path} ({filename})", layout, config_dict, state_dict, hub_kwargs)
@@ -383,6 +385,7 @@ class PublishedCheckpointMixin:
         if device is not None:
             model.to(device)
         model.check_draft_vocab()
+        model.set_drafting_settings(**settings)
         model.eval()
         if target is not None:
             model.bind_target(target)
