@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from transformers_specblock import Eagle3DraftModel, SpecBlockDraftModel
+from transformers_specblock.commands.cli import parse_tree_budget
 from transformers_specblock.hub.loading import load_model
 from transformers_specblock.hub.prompts import load_prompts
 from transformers_specblock.utils import import_pyplot
@@ -49,7 +50,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--num_chat", type=int, default=6, help="MT-Bench prompts after them (round-robin categories)")
     parser.add_argument("--num_sharegpt", type=int, default=8, help="held-out ShareGPT prompts (in domain)")
     parser.add_argument("--max_new_tokens", type=int, default=48)
-    parser.add_argument("--tree_budget", type=int, default=8, help="fixed budget (the shipped drafters' setting)")
+    parser.add_argument(
+        "--tree_budget", type=parse_tree_budget, default=8, help='a fixed budget, or "auto" (the shipped drafters\' setting)'
+    )
     parser.add_argument("--seed", type=int, default=0, help="shuffles the mixed stream")
     return parser.parse_args()
 

@@ -166,11 +166,14 @@ def tree_speculative_decoding(
     while live:
         budget = loop.budget(len(live), generators[0].tree_budget, drafter.generation_config)
         step_started, drafting_before = time.perf_counter(), _drafting_seconds(generators)
+        adapting_before = adapter.capture_seconds if adapter is not None else 0.0
         drafted = [_draft(row.generator, row.committed, budget, loop.largest(budget), model.device) for row in live]
         visible, counts = loop.step(live, drafted, budget, visible)
-        if auto_budget is not None:  # the step's own seconds, drafting excluded: what the chooser weighs trees by
-            drafting = _drafting_seconds(generators) - drafting_before
-            auto_budget.observe_step(loop.verified_size, time.perf_counter() - step_started - drafting, drafting)
+        if auto_budget is not None:  # the step's own seconds, drafting and adaptation's signal excluded: what the
+            drafting = _drafting_seconds(generators) - drafting_before  # chooser weighs trees by
+            adapting = adapter.capture_seconds - adapting_before if adapter is not None else 0.0
+            step_seconds = time.perf_counter() - step_started - drafting - adapting
+            auto_budget.observe_step(loop.verified_size, step_seconds, drafting)
         if streamer is not None:
             streamer.put(live[0].sequence[-counts[0] :].cpu())
         live, visible = _retire(live, loop.cache, visible)

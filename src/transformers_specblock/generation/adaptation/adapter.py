@@ -102,6 +102,7 @@ class OnlineAdapter:
         self.recent_tau: deque[float] = deque(maxlen=REFERENCE_CALLS)
         self.report = AdaptationReport()
         self.fresh: list[SignalSample] = []  # this call's samples: held out until the update after it
+        self.capture_seconds = 0.0  # this call's signal collection (inside its steps)
         self.to_draft = target_to_draft_ids(drafter.d2t, drafter.config.vocab_size)
 
     @property
@@ -121,6 +122,7 @@ class OnlineAdapter:
             self.to_draft = self.to_draft.to(self.drafter.d2t.device)
         self.report = AdaptationReport()
         self.fresh = []
+        self.capture_seconds = 0.0
 
     def capture(
         self,
@@ -130,7 +132,9 @@ class OnlineAdapter:
         bonus: torch.LongTensor,
         target_logits: torch.Tensor,
     ) -> None:
-        """Add one verified tree's signal (target_logits [N+1, V]: the verification's raw rows)."""
+        """Add one verified tree's signal (target_logits [N+1, V]: the verification's raw rows); its time counts as
+        adaptation's (`capture_seconds`), not as the step's."""
+        start = time.perf_counter()
         samples = collect_signal(
             generator, tree, path, bonus, target_logits, self.to_draft, self.drafter.generation_config.adaptation_top_k,
             self.body_version,
@@ -139,6 +143,8 @@ class OnlineAdapter:
         self.fresh += samples
         self.report.signal += len(samples)
         self.report.signal_wrong += sum(s.wrong for s in samples)
+        sync(self.drafter.device)
+        self.capture_seconds += time.perf_counter() - start
 
     def finish_call(self, new_tokens: int, decode_seconds: float, tau: float) -> AdaptationReport:
         """Score the previous action, then choose and run this call's (see the module docstring)."""
@@ -149,7 +155,8 @@ class OnlineAdapter:
         self._keep_better_output_side()
         self._try_candidate()
         sync(self.drafter.device)
-        check_seconds = time.perf_counter() - start  # charged to the action like the update itself
+        # the held-out check and this call's signal collection are charged to the action like the update itself
+        check_seconds = time.perf_counter() - start + self.capture_seconds
         self._charge_thrown_away_updates()
         self.recent_tau.append(tau)
         action = self.choose_action()
