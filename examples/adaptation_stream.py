@@ -51,7 +51,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--num_sharegpt", type=int, default=8, help="held-out ShareGPT prompts (in domain)")
     parser.add_argument("--max_new_tokens", type=int, default=48)
     parser.add_argument(
-        "--tree_budget", type=parse_tree_budget, default=8, help='a fixed budget, or "auto" (the shipped drafters\' setting)'
+        "--tree_budget", type=parse_tree_budget, default=8, help='a fixed budget, or "auto" (the shipped setting)'
     )
     parser.add_argument("--seed", type=int, default=0, help="shuffles the mixed stream")
     return parser.parse_args()

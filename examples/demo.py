@@ -41,7 +41,8 @@ def main() -> None:
         print(f"drafter: untrained (no drafter {args.drafter!r}) - expect tau near 1 and no speed-up")
     drafters = {"lookup tree": LookupTreeModel.from_target(target), "specblock": specblock}  # one object per stream
     start = time.perf_counter()  # "auto" times the target once per model and device: do it before timing anything
-    for ladder in {tuple(d.generation_config.auto_budget_candidates) for d in drafters.values()}:  # one curve per ladder
+    ladders = {tuple(d.generation_config.auto_budget_candidates) for d in drafters.values()}
+    for ladder in ladders:  # one curve per ladder
         warm_up = LookupTreeModel.from_target(target, auto_budget_candidates=list(ladder))
         target.generate(**tokenizer("Hello", return_tensors="pt"), assistant_model=warm_up, max_new_tokens=2)
     print(f'timed the target once for tree_budget="auto": {time.perf_counter() - start:.1f} s')

@@ -182,7 +182,7 @@ def test_bad_lookup_settings_are_refused():
         with drafter.tree_settings(prompt_lookup_min_ngram_size=4, prompt_lookup_max_ngram_size=2):
             pass
     with pytest.raises(ValueError, match="needs a candidate source"):
-        LookupTreeModel.from_target(target, prompt_lookup_num_tokens=0, ngram_cache_num_tokens=0, suffix_cache_num_tokens=0)
+        LookupTreeModel.from_target(target, prompt_lookup_num_tokens=0, ngram_cache_num_tokens=0, suffix_cache_num_tokens=0)  # noqa
     lookup = LookupTreeModel.from_target(make_target("llama", vocab_size=32))
     with pytest.raises(ValueError, match="vocabulary of 32 tokens, but the target has 24"):
         target.generate(torch.tensor([[1, 2, 3]]), assistant_model=lookup, max_new_tokens=4)
@@ -231,7 +231,8 @@ def test_source_scores_carry_over_between_calls_and_fade(one_thread):
     tried = sum(sum(t) for t in scores.attempted.values())
     assert tried > 0
     target.generate(prompt, assistant_model=lookup, max_new_tokens=20)
-    assert lookup.serving_state().source_scores[next(iter(lookup.serving_state().source_scores))] is scores  # the same learnt scores
+    learnt = lookup.serving_state().source_scores
+    assert learnt[next(iter(learnt))] is scores  # the same learnt scores
     assert sum(sum(t) for t in scores.attempted.values()) > tried
     fading = SourceScores(memory=4.0)
     children = {(0, 5): 1}

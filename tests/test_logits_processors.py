@@ -85,12 +85,11 @@ class StatefulUserProcessor(LogitsProcessor):
 def test_an_unknown_processor_runs_on_the_accepted_path_only_as_in_plain_decoding(target, oracle, do_sample):
     plain, tree = StatefulUserProcessor(), StatefulUserProcessor()
     torch.manual_seed(0)
-    reference = target.generate(PROMPT, max_new_tokens=12, do_sample=do_sample, logits_processor=LogitsProcessorList([plain]))
+    settings = dict(max_new_tokens=12, do_sample=do_sample)
+    reference = target.generate(PROMPT, **settings, logits_processor=LogitsProcessorList([plain]))
     torch.manual_seed(0)
-    out = target.generate(
-        PROMPT, max_new_tokens=12, do_sample=do_sample, assistant_model=oracle, logits_processor=LogitsProcessorList([tree])
-    )
-    assert tree.prefixes == [row[: len(prefix)] for row, prefix in zip([out[0].tolist()] * len(tree.prefixes), tree.prefixes)]
+    out = target.generate(PROMPT, **settings, assistant_model=oracle, logits_processor=LogitsProcessorList([tree]))
+    assert all(prefix == out[0, : len(prefix)].tolist() for prefix in tree.prefixes)  # prefixes of the output
     assert len(tree.prefixes) == out.shape[1] - PROMPT.shape[1]  # one call per committed token, never a rejected node
     assert [len(p) for p in tree.prefixes] == list(range(PROMPT.shape[1], out.shape[1]))
     if not do_sample:

@@ -175,7 +175,8 @@ def test_buffer_is_bounded():
     buffer = online_adapter_for(drafter).buffer
     assert len(buffer) == 10 and drafter.last_stats.adaptation.signal > 10
     assert all(s.target_ids.shape == (5,) and s.target_probs.shape == (5,) for s in buffer.samples)
-    assert all(s.context is None or s.context[1].shape[0] <= drafter.generation_config.adaptation_context for s in buffer.samples)
+    context = drafter.generation_config.adaptation_context
+    assert all(s.context is None or s.context[1].shape[0] <= context for s in buffer.samples)
     small = SignalBuffer(2)
     small.add([1, 2, 3])
     assert list(small.samples) == [2, 3]

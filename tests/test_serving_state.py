@@ -78,7 +78,8 @@ def test_a_16bit_target_leaves_a_float32_drafter_float32_and_saves_float32(tmp_p
 
 
 def test_a_drafter_holds_no_target_it_served_once_deleted():
-    drafter = make_drafter(make_target(vocab_size=32), tree_budget="auto", auto_budget_warmup=2, suffix_cache_num_tokens=8)
+    settings = dict(tree_budget="auto", auto_budget_warmup=2, suffix_cache_num_tokens=8)
+    drafter = make_drafter(make_target(vocab_size=32), **settings)
     refs = []
     for seed in (3, 4):  # two targets one after the other, each with "auto" (a cost curve) and the suffix cache
         target = make_target(vocab_size=32, seed=seed)

@@ -25,7 +25,10 @@ _STOCK_ASSISTED_DECODING = GenerationMixin._assisted_decoding
 _STOCK_VALIDATE_GENERATION_MODE = GenerationMixin._validate_generation_mode
 _STOCK_PREPARE_GENERATION_CONFIG = GenerationMixin._prepare_generation_config
 # transformers' own generation arguments that mean something for a tree drafter: the drafter setting each sets
-STOCK_SETTINGS = {"prompt_lookup_num_tokens": "prompt_lookup_num_tokens", "max_matching_ngram_size": "prompt_lookup_max_ngram_size"}
+STOCK_SETTINGS = {
+    "prompt_lookup_num_tokens": "prompt_lookup_num_tokens",
+    "max_matching_ngram_size": "prompt_lookup_max_ngram_size",
+}
 
 
 def drafting_overrides(generation_config: GenerationConfig) -> dict[str, Any]:
@@ -127,10 +130,15 @@ ROUTED_SIGNATURES = {
 
 
 def router_problems(stock: dict[str, Any] | None = None) -> list[str]:
-    """What differs between the stock methods the router replaces (`stock`: name -> method, by default this
-    transformers' own) and the signatures it was written for (`ROUTED_SIGNATURES`); empty where it may patch."""
+    """What differs between the stock methods the router replaces (`stock`: name -> method, by default the ones this
+    transformers had at import) and the signatures it was written for (`ROUTED_SIGNATURES`); empty where it may
+    patch."""
     if stock is None:
-        stock = {name: getattr(GenerationMixin, name, None) for name in ROUTED_SIGNATURES}
+        stock = {
+            "_assisted_decoding": _STOCK_ASSISTED_DECODING,
+            "_validate_generation_mode": _STOCK_VALIDATE_GENERATION_MODE,
+            "_prepare_generation_config": _STOCK_PREPARE_GENERATION_CONFIG,
+        }
     problems = []
     for name, expected in ROUTED_SIGNATURES.items():
         method = stock.get(name)
@@ -148,11 +156,7 @@ def install() -> bool:
     internals differ from the ones the router replaces, nothing is patched (a warning names what differs) and
     `generate(assistant_model=drafter)` raises an error naming the supported releases and the patch-free route.
     Returns whether the router is installed."""
-    problems = router_problems({
-        "_assisted_decoding": _STOCK_ASSISTED_DECODING,
-        "_validate_generation_mode": _STOCK_VALIDATE_GENERATION_MODE,
-        "_prepare_generation_config": _STOCK_PREPARE_GENERATION_CONFIG,
-    })  # fmt: skip
+    problems = router_problems()
     if problems:
         warnings.warn(
             f"transformers {transformers.__version__} is not a release the generate router supports "

@@ -67,8 +67,9 @@ class TreeLogitsProcessor(LogitsProcessor):
         """Accept along the path the target agrees with, processing only that path's nodes, in order (`walk_accept`).
 
         input_ids: [1, S] one row's committed tokens (ending with the root); scores: [N+1, V] raw logits per node;
-        stops: (sequence length, last token) -> whether the sequence ends there (the walk stops with it). Returns the accepted nodes (root excluded), the bonus token [1] and the scores [N+1, V] with the visited
-        nodes' rows processed (the others are never read)."""
+        stops: (sequence length, last token) -> whether the sequence ends there (the walk stops with it). Returns
+        the accepted nodes (root excluded), the bonus token [1] and the scores [N+1, V] with the visited nodes' rows
+        processed (the others are never read)."""
         processed = scores.clone()
         tokens = tree.tokens.to(input_ids.device)
 

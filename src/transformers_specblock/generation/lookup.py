@@ -208,8 +208,8 @@ def free_candidates_for(drafter: TreeDraftModel, state: ServingState | None = No
 
 class FreeCandidates:
     """The free candidate sources of one `generate` call's row: proposes their chains into a tree, learns their
-    scores (`scores`, shared between calls through the drafter's serving state). They read the row's committed text on the
-    host (`text`): read from the device once, then extended with the tokens the loop reads back each step."""
+    scores (`scores`, shared between calls through the drafter's serving state). They read the row's committed text
+    on the host (`text`): read from the device once, then extended with the tokens the loop reads back each step."""
 
     def __init__(
         self, settings: LookupSettings, scores: SourceScores | None = None, suffix: SuffixCandidates | None = None

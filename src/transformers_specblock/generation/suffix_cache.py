@@ -185,7 +185,8 @@ def _submit(store: SuffixStore, text: list[int], tail: list[int]) -> None:
 def suffix_cache_for(drafter) -> SuffixStore:
     """The suffix store of a drafter object (made on first use with its config's bounds), which its `generate` calls
     share: kept in `drafter.serving_states`, never saved with the drafter (`save` / `load` write and read it)."""
-    settings = SuffixSettings(**{name: getattr(drafter.generation_config, name) for name in SuffixSettings.__dataclass_fields__})
+    names = SuffixSettings.__dataclass_fields__
+    settings = SuffixSettings(**{name: getattr(drafter.generation_config, name) for name in names})
     return suffix_store_of(drafter.serving_states, settings)
 
 

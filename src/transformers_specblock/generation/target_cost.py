@@ -118,13 +118,16 @@ def measure_target_cost(
 def hardware_fingerprint(device: torch.device) -> str:
     """What a timing depends on besides the model: the device (GPU name, or CPU model, cores and its vector ISA),
     the intra-op threads and the torch version."""
-    return f"{describe_device(device)}; {cpu_capability()}; {torch.get_num_threads()} threads; torch {torch.__version__}"
+    threads = torch.get_num_threads()
+    return f"{describe_device(device)}; {cpu_capability()}; {threads} threads; torch {torch.__version__}"
 
 
 def target_architecture_fingerprint(target: PreTrainedModel) -> str:
     """A short hash of what the target's cost depends on: its architecture (the text config without names or paths)
     and attention implementation, not its weights."""
-    config = {k: v for k, v in target.config.to_dict().items() if "name_or_path" not in k and k != "transformers_version"}
+    config = {
+        k: v for k, v in target.config.to_dict().items() if "name_or_path" not in k and k != "transformers_version"
+    }
     text = json.dumps([config, target.config._attn_implementation], sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 

@@ -341,8 +341,8 @@ def online_adapter_for(drafter: TreeDraftModel, state: ServingState | None = Non
         )
     if drafter.bound_embedding is None:
         raise ValueError(
-            f"online_adaptation={drafter.generation_config.online_adaptation!r} needs a drafter bound to its target (the update "
-            "reads the target's input embedding): call drafter.bind_target(target) first (generate() does it)."
+            f"online_adaptation={drafter.generation_config.online_adaptation!r} needs a drafter bound to its target (the "
+            "update reads the target's input embedding): call drafter.bind_target(target) first (generate() does it)."
         )
     state = state if state is not None else drafter.serving_state()
     if state.adaptation is None or state.adaptation.drafter is not drafter:

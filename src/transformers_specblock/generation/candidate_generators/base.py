@@ -24,8 +24,8 @@ _COMPILED: dict[tuple[type, str], Callable[..., Any]] = {}  # (drafter class, me
 
 
 def compiled_method(drafter: TreeDraftModel, name: str) -> Callable[..., Any]:
-    """`drafter.<name>`, under `torch.compile` when `drafter.generation_config.compile_drafter` (inductor; CUDA graphs via
-    mode="reduce-overhead" on a GPU; dynamic shapes): compiled once per drafter class and method, for every call."""
+    """`drafter.<name>`, under `torch.compile` when `drafter.generation_config.compile_drafter` (inductor; CUDA graphs
+    via mode="reduce-overhead" on a GPU; dynamic shapes): compiled once per drafter class and method, for every call."""
     if not drafter.generation_config.compile_drafter:
         return drafter if name == "forward" else getattr(drafter, name)  # a module's forward runs through its hooks
     key = (type(drafter), name)
@@ -71,11 +71,13 @@ class TreeCandidateGenerator(CandidateGenerator):
     reads_features = True  # whether `observe` needs the target's hidden states (else it gets [P, 0] features)
     grows_trees = True  # whether `grow_tree` drafts (else every tree is the free candidates' alone)
 
-    def __init__(self, drafter: TreeDraftModel, tree_budget: int | None = None, state: ServingState | None = None) -> None:
+    def __init__(
+        self, drafter: TreeDraftModel, tree_budget: int | None = None, state: ServingState | None = None
+    ) -> None:
         self.drafter = drafter
         budget = tree_budget if tree_budget is not None else drafter.generation_config.tree_budget
         if budget == AUTO:  # the loop sets the budget every iteration; start from the largest candidate (candidates
-            budget = max(1, *drafter.generation_config.auto_budget_candidates)  # [0]: never drafts, its settings still check)
+            budget = max(1, *drafter.generation_config.auto_budget_candidates)  # [0]: never drafts, settings still check)
         self.tree_budget = budget
         self.stats = DraftingStats()
         self.tree: DraftTree | None = None

@@ -168,8 +168,8 @@ class DFlashDraftModel(PublishedCheckpointMixin, TreeDraftModel):
         if largest > self.config.max_tree_size:
             raise ValueError(
                 f"tree budget {largest} exceeds the {self.config.max_tree_size} nodes a block of "
-                f"{self.config.block_size} (depth {self.config.block_size - 1}) with tree_top_k={self.config.tree_top_k} "
-                "can hold: raise block_size or tree_top_k, or lower the budget."
+                f"{self.config.block_size} (depth {self.config.block_size - 1}) with "
+                f"tree_top_k={self.config.tree_top_k} can hold: raise block_size or tree_top_k, or lower the budget."
             )
 
     def bind_target(self, target: PreTrainedModel, place: bool = True) -> None:

@@ -40,7 +40,9 @@ class LookupTreeModel(TreeDraftModel):
     def check_drafting_settings(self, settings: TreeGenerationConfig) -> None:
         """A lookup tree needs at least one candidate source."""
         super().check_drafting_settings(settings)
-        sources = ("prompt_lookup_num_tokens", "ngram_cache_num_tokens", "suffix_cache_num_tokens", "suffix_local_num_tokens")
+        sources = (
+            "prompt_lookup_num_tokens", "ngram_cache_num_tokens", "suffix_cache_num_tokens", "suffix_local_num_tokens"
+        )
         if not any(getattr(settings, name) for name in sources):
             raise ValueError(f"A lookup tree needs a candidate source: set one of {', '.join(sources)} > 0.")
 

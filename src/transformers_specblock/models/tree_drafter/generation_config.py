@@ -184,7 +184,8 @@ class TreeGenerationConfig(GenerationConfig):
         }
         for name, (value, least) in counts.items():
             if not isinstance(value, int) or isinstance(value, bool) or value < least:
-                raise ValueError(f"{name} must be an int >= {least}{' (0 = off)' if least == 0 else ''}, got {value!r}.")
+                off = " (0 = off)" if least == 0 else ""
+                raise ValueError(f"{name} must be an int >= {least}{off}, got {value!r}.")
         if self.prompt_lookup_min_ngram_size > self.prompt_lookup_max_ngram_size:
             raise ValueError(
                 f"prompt_lookup_min_ngram_size ({self.prompt_lookup_min_ngram_size}) must not exceed "
@@ -192,8 +193,8 @@ class TreeGenerationConfig(GenerationConfig):
             )
 
         check_number("suffix_cache_spec_factor", self.suffix_cache_spec_factor, lambda x: x > 0, "> 0")
-        check_number("suffix_cache_min_token_prob", self.suffix_cache_min_token_prob, lambda x: 0 <= x <= 1, "in [0, 1]",
-                     kind="a probability")  # fmt: skip
+        probability = self.suffix_cache_min_token_prob
+        check_number("suffix_cache_min_token_prob", probability, lambda x: 0 <= x <= 1, "in [0, 1]", "a probability")
 
     def _validate_adaptation_settings(self) -> None:
         if self.online_adaptation not in ADAPTATION_POLICIES:

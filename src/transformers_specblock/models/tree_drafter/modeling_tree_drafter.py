@@ -354,8 +354,8 @@ class TreeDraftModel(PreTrainedModel):
         if hasattr(GenerationMixin, name) and not name.startswith("__"):
             raise AttributeError(
                 f"{type(self).__name__} is a tree drafter: transformers' stock assisted decoding cannot run it. "
-                f"`transformers_specblock.install()` (done on import) routes generate() to the tree loop on transformers "
-                f"{SUPPORTED_TRANSFORMERS} (this is {transformers.__version__}); on any transformers use the "
+                "`transformers_specblock.install()` (done on import) routes generate() to the tree loop on "
+                f"transformers {SUPPORTED_TRANSFORMERS} (this is {transformers.__version__}); on any transformers use the "
                 f"patch-free route, {PATCH_FREE_ROUTE}."
             )
         return super().__getattr__(name)
