@@ -104,8 +104,6 @@ def random_reference_drafter(modules, embedding: torch.Tensor):
         for name, param in model.named_parameters():
             if "norm" in name:
                 param.copy_(torch.rand(param.shape, generator=generator) + 0.5)
-            elif name != "input_layer.embed_tokens.weight":
-                param.mul_(3.0)  # spread the logits: fewer near-ties in the greedy / rank decisions
         model.input_layer.embed_tokens.weight.copy_(embedding)
         ids = torch.randperm(VOCAB, generator=generator)[:DRAFT_VOCAB].sort().values
         model.d2t.copy_(ids - torch.arange(DRAFT_VOCAB))

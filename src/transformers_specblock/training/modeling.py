@@ -4,7 +4,8 @@ Loss (every part has a switch in `SpecBlockTrainingArguments`), per block b (blo
 follow-up blocks from slot ``M-1`` of the previous block with ``M ~ U{1..K}`` drawn once per block per step) and
 slot k, at drafter position i (features f_i, token x_{i+1+off_b}, slot k predicts x_{i+2+off_b+k}, whose target
 distribution p is the target's softmax at position j = i+1+off_b+k restricted to the draft vocabulary and
-renormalised):
+renormalised). A follow-up block sits at rotary positions i+1+off_b+k, or at block 1's i+1+k when the drafter's
+``followup_positions`` is "block1" (the reference's rule, which its checkpoints load with):
 
 * ``ce[b,i,k] = -sum_v p(v) log q(v)`` with q the drafter's softmax for that slot (hard CE on the target's argmax with
   ``--no_soft_labels``).
@@ -106,6 +107,7 @@ class SpecBlockDraftModelForTraining(SpecBlockDraftModel):
         target_index = self._target_draft_index(target_argmax)
         target_probs = target_logits.float().softmax(-1)
         positions = torch.arange(1, num_pos + 1, device=device).expand(batch, -1)
+        block1_positions = self.config.followup_positions == "block1"  # trained where it drafts them
         bounds = self.config.rank_bucket_upper_bounds
 
         def terms_of(hidden: torch.Tensor, offset: int, metrics: bool = False) -> BlockTerms:
@@ -134,7 +136,7 @@ class SpecBlockDraftModelForTraining(SpecBlockDraftModel):
             hidden = self.draft_blocks(
                 hidden[:, :, m - 1],
                 input_ids[:, token_idx],
-                positions + offset,
+                positions if block1_positions else positions + offset,
                 followup_training_mask(num_pos, k_slots, list(followup_offsets[:b]), device)[None],
                 cache,
                 compute_heads=False,

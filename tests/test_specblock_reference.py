@@ -1,0 +1,284 @@
+"""SpecBlock against what the reference code computed (github shiweijiezero/SpecBlock), frozen into
+tests/reference/fixtures by tests/reference/make_specblock_fixtures.py (rerun it on a checkout of the reference to
+refresh them; the commit is in manifest.json).
+
+The drafter the reference wrote with its own `save_pretrained` loads here; block 1, the training-time follow-up
+blocks (inherited slot states, rotary positions, the masks over earlier blocks' keys), the inference harness's rank
+logits, this package's `specblock_reference` export and the draft-loss terms are compared (float32, 1e-5). Where
+this package departs from the reference on purpose, the test pins the departure.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+
+from transformers_specblock import SpecBlockDraftModel
+from transformers_specblock.models.specblock.modeling_specblock import block_causal_mask
+from transformers_specblock.training.losses import block_terms, followup_training_mask, rank_head_loss
+from transformers_specblock.training.modeling import SpecBlockDraftModelForTraining
+
+FIXTURES = Path(__file__).parent / "reference" / "fixtures"
+TOL = dict(rtol=0.0, atol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def manifest() -> dict:
+    return json.loads((FIXTURES / "manifest.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def modeling() -> dict[str, torch.Tensor]:
+    return load_file(FIXTURES / "modeling.safetensors")
+
+
+@pytest.fixture(scope="module")
+def training() -> dict[str, torch.Tensor]:
+    return load_file(FIXTURES / "training.safetensors")
+
+
+@pytest.fixture(scope="module")
+def target(manifest):
+    """A tiny Llama target of the fixtures' sizes whose input embedding is the one the reference drafter read."""
+    sizes = manifest["sizes"]
+    config = LlamaConfig(
+        hidden_size=sizes["hidden"], intermediate_size=sizes["intermediate"], num_hidden_layers=4,
+        num_attention_heads=sizes["heads"], num_key_value_heads=sizes["kv_heads"], vocab_size=sizes["vocab"],
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        model.get_input_embeddings().weight.copy_(load_file(FIXTURES / "target_embedding.safetensors")["weight"])
+    return model
+
+
+@pytest.fixture(scope="module")
+def drafter(target):
+    return SpecBlockDraftModel.from_pretrained(FIXTURES / "reference_drafter", target=target).eval()
+
+
+def test_fixtures_record_the_reference_commit(manifest):
+    assert len(manifest["commit"]) == 40 and manifest["reference"] == "github.com/shiweijiezero/SpecBlock"
+
+
+def test_block1_equals_the_reference(drafter, modeling, one_thread):
+    features, ids = modeling["inputs.features"], modeling["inputs.input_ids"]
+    with torch.no_grad():
+        out = drafter(ids, features)
+    torch.testing.assert_close(out.logits, modeling["block1.logits"], **TOL)
+    torch.testing.assert_close(out.rank_logits, modeling["block1.rank_logits"], **TOL)
+    torch.testing.assert_close(out.hidden_states, modeling["block1.hidden"], **TOL)
+    assert torch.equal(block_causal_mask(ids.shape[1], 4, 0, "cpu"), modeling["block1.mask"])
+
+
+def reference_followups(drafter, modeling, ms):
+    """Our `draft_blocks` chained as the reference's training pass chains its blocks: condition = slot M-1's pre-norm
+    state, token = the one M further, block 1's rotary positions, and the reference's masks with its KV layout
+    ([block 1 (cross), earlier blocks (ttt), current]) folded onto our cache (block 1 once, then each later block)."""
+    features, ids = modeling["inputs.features"], modeling["inputs.input_ids"]
+    num_pos, k_slots = ids.shape[1], drafter.config.block_size
+    width = num_pos * k_slots
+    positions = torch.arange(1, num_pos + 1)[None]
+    cache = DynamicCache()
+    hidden = drafter.draft_blocks(
+        drafter.project_condition(features), ids, positions, block_causal_mask(num_pos, k_slots, 0, "cpu")[None], cache
+    ).hidden_states
+    outputs = []
+    for b, m in enumerate(ms, start=2):
+        mask = modeling[f"block{b}.mask"]
+        cross, earlier, own = mask[:, :width], mask[:, width:-width], mask[:, -width:]
+        earlier = earlier.clone()
+        earlier[:, :width] |= cross  # block 1's keys: earlier positions (cross) and its own position (ttt)
+        out = drafter.draft_blocks(hidden[:, :, m - 1], modeling[f"block{b}.input_ids"], positions,
+                                   torch.cat([earlier, own], dim=1)[None], cache)  # fmt: skip
+        outputs.append(out)
+        hidden = out.hidden_states
+    return outputs
+
+
+def test_training_time_followup_blocks_equal_the_reference(drafter, modeling, manifest, one_thread):
+    """Inherited slot states through `condition_norm` (no `condition_proj`), the layer shift, block 1's rotary
+    positions and attention over block 1's and earlier blocks' keys: blocks 2 and 3 as the reference trains them."""
+    with torch.no_grad():
+        outputs = reference_followups(drafter, modeling, manifest["followup_m"])
+    for b, out in enumerate(outputs, start=2):
+        torch.testing.assert_close(out.hidden_states, modeling[f"block{b}.hidden"], **TOL)
+        torch.testing.assert_close(out.logits, modeling[f"block{b}.logits"], **TOL)
+        torch.testing.assert_close(out.rank_logits, modeling[f"block{b}.rank_logits"], **TOL)
+
+
+def test_our_training_mask_is_the_reference_mask_without_the_current_blocks_earlier_positions(modeling, manifest):
+    """The reference's training mask lets a follow-up block's query see that block's entries at earlier positions
+    (no counterpart in a drafted tree, where each follow-up block is its own branch); ours does not. Everything else
+    (block 1's earlier positions, slots 0..M-1 of each earlier block at the same position, own slots 0..k) agrees."""
+    ms = manifest["followup_m"]
+    num_pos, k_slots = modeling["inputs.input_ids"].shape[1], 4
+    width = num_pos * k_slots
+    pos = torch.arange(num_pos).repeat_interleave(k_slots)
+    current_earlier = pos[None, :] < pos[:, None]
+    for b in range(2, 2 + len(ms)):
+        mask = modeling[f"block{b}.mask"]
+        folded = torch.cat([mask[:, width : 2 * width] | mask[:, :width], mask[:, 2 * width :]], dim=1)
+        ours = followup_training_mask(num_pos, k_slots, ms[: b - 1], "cpu")
+        assert torch.equal(ours[:, :-width], folded[:, :-width])
+        assert torch.equal(ours[:, -width:], folded[:, -width:] & ~current_earlier)
+        assert (folded[:, -width:] & current_earlier).any()
+
+
+def test_training_runs_followup_blocks_at_the_drafters_positions(target, one_thread):
+    """A drafter whose follow-up blocks draft at block 1's positions (`followup_positions="block1"`, as every
+    reference checkpoint loads) is trained at those positions too, as the reference trains it."""
+    trained = SpecBlockDraftModelForTraining.from_pretrained(FIXTURES / "reference_drafter", target=target)
+    assert trained.config.followup_positions == "block1"
+    seen = []
+    draft_blocks = trained.draft_blocks
+
+    def record(*args, **kwargs):
+        seen.append(args[2].clone())
+        return draft_blocks(*args, **kwargs)
+
+    trained.draft_blocks = record
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 256, (1, 9), generator=generator)
+    trained(
+        ids, torch.ones_like(ids), torch.ones_like(ids), torch.randn(1, 9, 192, generator=generator),
+        torch.randn(1, 9, 128, generator=generator), torch.randint(0, 256, (1, 9), generator=generator), (2, 3),
+    )  # fmt: skip
+    assert len(seen) == 3 and all(torch.equal(p, seen[0]) for p in seen)
+    trained.config.followup_positions = "start_node"
+    seen.clear()
+    trained(
+        ids, torch.ones_like(ids), torch.ones_like(ids), torch.randn(1, 9, 192, generator=generator),
+        torch.randn(1, 9, 128, generator=generator), torch.randint(0, 256, (1, 9), generator=generator), (2, 3),
+    )  # fmt: skip
+    assert torch.equal(seen[1], seen[0] + 2) and torch.equal(seen[2], seen[0] + 5)
+
+
+@pytest.mark.parametrize("top_k", [10, 20])
+def test_rank_logits_as_the_inference_harness_reads_them(drafter, modeling, top_k):
+    """The harness computes the rank features within the top `RANK_TOPK` logits (default 10; training used 20):
+    `rank_feature_top_k` gives either; the predicted classes follow."""
+    drafter.config.rank_feature_top_k = top_k
+    try:
+        with torch.no_grad():
+            _, rank_logits = drafter.heads(modeling["block1.hidden"])
+    finally:
+        drafter.config.rank_feature_top_k = 20
+    expected = modeling[f"harness.rank_logits_top{top_k}"]
+    torch.testing.assert_close(rank_logits, expected, **TOL)
+    assert torch.equal(rank_logits.argmax(-1), expected.argmax(-1))
+
+
+def test_our_export_loads_in_the_reference_class_with_the_same_outputs(drafter, modeling, tmp_path, one_thread):
+    """The script loaded this package's `specblock_reference` export in `LlamaForCausalLMSpecBlock` (all keys but the
+    embedding, which the reference never saves) and stored the weights it held and the outputs it computed."""
+    drafter.save_pretrained(tmp_path, checkpoint_format="specblock_reference")
+    ours = load_file(tmp_path / "model.safetensors")
+    theirs = {k[len("export.") :]: v for k, v in modeling.items() if k.startswith("export.") and ".block1." not in k}
+    theirs = {k: v for k, v in theirs.items() if not k.startswith("block1.")}
+    assert set(ours) == set(theirs)
+    for key in ours:
+        assert ours[key].shape == theirs[key].shape and torch.equal(ours[key], theirs[key]), key
+    for name in ("logits", "rank_logits", "hidden"):
+        assert torch.equal(modeling[f"export.block1.{name}"], modeling[f"block1.{name}"])
+    config = json.loads((tmp_path / "config.json").read_text())
+    reference = json.loads((FIXTURES / "reference_drafter" / "config.json").read_text())
+    for field in ("architectures", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                  "num_key_value_heads", "vocab_size", "draft_vocab_size", "diffspec_draft_token_num", "rank_classes",
+                  "rms_norm_eps"):  # fmt: skip
+        assert config[field] == reference[field], field
+    mapping = torch.load(tmp_path / "vocab_mapping.pt", weights_only=True)
+    assert torch.equal(mapping["d2t"], modeling["export.d2t"]) and torch.equal(mapping["t2d"], modeling["export.t2d"])
+
+
+# ------------------------------------------------------------------------------------------------ training loss
+def our_batch(drafter, training):
+    """The reference batch in this package's conventions: tokens x_0..x_S (x_S the reference's 0 padding), features
+    per position, the target's logits at position j (= the reference's target[j - 1]) over the draft vocabulary."""
+    ids = torch.cat([training["batch.tokens"][:, :1], training["batch.input_ids"]], dim=1)
+    target = training["batch.target"]
+    logits = torch.cat([torch.zeros_like(target[:, :1]), target], dim=1)
+    features = training["batch.hidden_states"]
+    features = torch.cat([features, torch.zeros_like(features[:, :1])], dim=1)
+    return ids, features, logits[..., drafter.t2d], logits.argmax(-1)
+
+
+def block_losses(drafter, training, hidden, offset: int, position_mask=None):
+    """Per-slot masked mean draft CE (valid prefix) of one block with this package's `block_terms`; with
+    `position_mask`, also the reference's extra factor (its block-1 slot-0 position mask at position i)."""
+    ids, _, target_logits, argmax = our_batch(drafter, training)
+    lookup = torch.full((256,), -1)
+    lookup[drafter.d2t] = torch.arange(128)
+    ones = torch.ones_like(ids, dtype=torch.bool)
+    terms = block_terms(drafter.heads, hidden, target_logits.softmax(-1), lookup[argmax], ones, ones, offset,
+                        drafter.config.rank_bucket_upper_bounds)  # fmt: skip
+    mask = terms.counted & terms.in_vocab & terms.prefix
+    if position_mask is not None:
+        mask = mask & position_mask.bool()[:, :, None]
+    return (terms.ce * mask).sum((0, 1)) / mask.sum((0, 1)).clamp(min=1), terms, mask
+
+
+def training_hidden(drafter, training, ms):
+    """Block 1 and the reference's training-time follow-up blocks on the training batch (reference masks and
+    positions, as `reference_followups`)."""
+    ids, features = training["batch.input_ids"], training["batch.hidden_states"]
+    batch, num_pos = ids.shape
+    k_slots, width = 4, ids.shape[1] * 4
+    positions = torch.arange(1, num_pos + 1).expand(batch, -1)
+    cache = DynamicCache()
+    hidden = drafter.draft_blocks(drafter.project_condition(features), ids, positions,
+                                  block_causal_mask(num_pos, k_slots, 0, "cpu")[None], cache).hidden_states  # fmt: skip
+    hiddens, offset = [hidden], 0
+    pos = torch.arange(num_pos).repeat_interleave(k_slots)
+    for b, m in enumerate(ms, start=1):
+        offset += m
+        token_idx = (torch.arange(num_pos) + offset).clamp(max=num_pos - 1)
+        mask = followup_training_mask(num_pos, k_slots, list(ms[:b]), "cpu")
+        mask[:, -width:] |= pos[None, :] < pos[:, None]  # the reference's block also sees its earlier positions
+        hidden = drafter.draft_blocks(hidden[:, :, m - 1], ids[:, token_idx], positions, mask[None], cache).hidden_states
+        hiddens.append(hidden)
+    return hiddens
+
+
+def test_draft_loss_terms_equal_the_reference(drafter, training, manifest, one_thread):
+    """Soft CE against the target's draft-vocabulary softmax, per slot, over the valid prefix (slots 0..k-1 top-1
+    right), target argmax inside the draft vocabulary: block 1 and both follow-up blocks, slot by slot. The reference
+    also gates a follow-up block's slots at position i by its block-1 slot-0 position mask (target argmax of
+    position i+1 in the draft vocabulary); ours does not (pinned: it changes block 2's slot-0 term here)."""
+    ms = manifest["followup_m"]
+    with torch.no_grad():
+        hiddens = training_hidden(drafter, training, ms)
+    position_mask = training["position_mask"]
+    offsets = [0, ms[0], ms[0] + ms[1]]
+    for b, (hidden, offset) in enumerate(zip(hiddens, offsets), start=1):
+        ours, _, _ = block_losses(drafter, training, hidden, offset, position_mask)
+        torch.testing.assert_close(ours, training[f"block{b}.draft_losses"], **TOL)
+    ungated, _, _ = block_losses(drafter, training, hiddens[1], offsets[1])
+    assert (ungated - training["block2.draft_losses"]).abs().max() > 1e-3
+    total = sum(training[f"block{b}.draft_losses"] for b in (1, 2, 3))
+    torch.testing.assert_close(total, training["loss.draft_per_slot"], **TOL)  # summed over blocks, not averaged
+
+
+def test_rank_labels_equal_the_reference_and_the_rank_loss_differs(drafter, training, one_thread):
+    """Rank classes (rank 1 / 2-4 / 5-10 / >10 of the target's token in the slot's draft distribution) agree
+    wherever the target's argmax lies in the draft vocabulary. The rank-head loss is this package's own (class
+    weights, neighbour smoothing, expected distance) and differs from the reference's (per-slot min(1, 10/count)
+    weights, kernel smoothing, distance to the predicted class, chain cut at the first wrong rank prediction)."""
+    with torch.no_grad():
+        hidden = training_hidden(drafter, training, [])[0]
+    _, terms, _ = block_losses(drafter, training, hidden, 0)
+    theirs = training["block1.rank_labels"]
+    rows = (terms.counted & terms.prefix & terms.in_vocab) & (theirs >= 0)
+    assert rows.sum() >= 20
+    assert torch.equal(terms.labels[rows], theirs[rows])
+    assert set(theirs[rows].tolist()) >= {0, 1, 2, 3}
+    with torch.no_grad():
+        _, rank_logits = drafter.heads(hidden)
+    rank_sum, weight = rank_head_loss(rank_logits, terms.labels, terms.counted & terms.prefix)
+    ours = (rank_sum / weight).item()
+    assert abs(ours - training["block1.rank_loss"].item()) > 0.1
