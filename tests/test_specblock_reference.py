@@ -20,7 +20,13 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from transformers_specblock import SpecBlockDraftModel
 from transformers_specblock.models.specblock.modeling_specblock import block_causal_mask
-from transformers_specblock.training.losses import block_terms, followup_training_mask, rank_head_loss
+from transformers_specblock.training.arguments import SpecBlockLossConfig
+from transformers_specblock.training.losses import (
+    block_terms,
+    followup_training_mask,
+    rank_head_loss,
+    reference_rank_loss,
+)
 from transformers_specblock.training.modeling import SpecBlockDraftModelForTraining
 
 FIXTURES = Path(__file__).parent / "reference" / "fixtures"
@@ -216,7 +222,7 @@ def block_losses(drafter, training, hidden, offset: int, position_mask=None):
     lookup[drafter.d2t] = torch.arange(128)
     ones = torch.ones_like(ids, dtype=torch.bool)
     terms = block_terms(drafter.heads, hidden, target_logits.softmax(-1), lookup[argmax], ones, ones, offset,
-                        drafter.config.rank_bucket_upper_bounds)  # fmt: skip
+                        drafter.config.rank_bucket_upper_bounds, rank_chain_mask=False)  # fmt: skip
     mask = terms.counted & terms.in_vocab & terms.prefix
     if position_mask is not None:
         mask = mask & position_mask.bool()[:, :, None]
@@ -282,3 +288,51 @@ def test_rank_labels_equal_the_reference_and_the_rank_loss_differs(drafter, trai
     rank_sum, weight = rank_head_loss(rank_logits, terms.labels, terms.counted & terms.prefix)
     ours = (rank_sum / weight).item()
     assert abs(ours - training["block1.rank_loss"].item()) > 0.1
+
+
+def test_reference_rank_loss_equals_the_reference_block_by_block(drafter, training, manifest, one_thread):
+    """`reference_rank_loss` (rank chain cut after the first wrong class prediction, per-slot min(1, 10 / count)
+    class weights, kernel ordinal smoothing, distance to the predicted class) on our rank logits and labels gives
+    the reference's rank loss of each block; its follow-up blocks start their chains where block 1's slot 0 counts."""
+    ms = manifest["followup_m"]
+    with torch.no_grad():
+        hiddens = training_hidden(drafter, training, ms)
+    start = training["position_mask"].bool()
+    for b, (hidden, offset) in enumerate(zip(hiddens, [0, ms[0], ms[0] + ms[1]]), start=1):
+        _, terms, _ = block_losses(drafter, training, hidden, offset)
+        with torch.no_grad():
+            _, rank_logits = drafter.heads(hidden)
+        valid = terms.counted & terms.in_vocab
+        labels = torch.where(valid, terms.labels, 0)
+        ours = reference_rank_loss(rank_logits, labels, valid, start & valid[..., 0] if b == 1 else start, 10)
+        torch.testing.assert_close(ours, training[f"block{b}.rank_loss"], **TOL)
+
+
+def test_one_training_step_equals_the_reference(target, training, manifest, tmp_path, one_thread):
+    """Block 1 with the reference's rank loss, the reference's optimizer settings (AdamW betas (0.9, 0.95), no weight
+    decay, gradient norm clipped to 0.5): the same loss and, after one step, the same weights."""
+    step = manifest["step"]
+    trained = SpecBlockDraftModelForTraining.from_pretrained(FIXTURES / "reference_drafter", target=target)
+    trained.loss_config = SpecBlockLossConfig(rank_loss_form="reference", rank_budget_per_class=10)
+    ids, features, target_logits, argmax = our_batch(trained, training)
+    ones = torch.ones_like(ids)
+    out = trained(ids, ones, ones, features, target_logits, argmax, (), training_step=0)
+    torch.testing.assert_close(out.loss, training["step.loss"], **TOL)
+    out.loss.backward()
+    params = [p for p in trained.parameters() if p.requires_grad]
+    norm = torch.nn.utils.clip_grad_norm_(params, step["max_grad_norm"])
+    assert abs(norm.item() - step["grad_norm_before_clipping"]) < 1e-4
+    optimizer = torch.optim.AdamW(params, lr=step["lr"], betas=tuple(step["betas"]), weight_decay=0.0)
+    optimizer.step()
+    trained.save_pretrained(tmp_path, checkpoint_format="specblock_reference")
+    ours = load_file(tmp_path / "model.safetensors")
+    theirs = {k[len("step.") :]: v for k, v in training.items() if k.startswith("step.")}
+    theirs = {k: v for k, v in theirs.items() if k not in ("draft_per_slot", "rank", "loss")}
+    assert set(ours) == set(theirs)
+    before = load_file(FIXTURES / "reference_drafter" / "model.safetensors")
+    for key in ours:
+        torch.testing.assert_close(ours[key], theirs[key], **TOL, msg=key)
+        if key not in ("d2t", "t2d"):  # Adam's first step moves almost every weight by +-lr: compare the moves
+            moved = (ours[key] - before[key]) - (theirs[key] - before[key])
+            assert moved.abs().max() <= 0.05 * step["lr"], key
+            assert (theirs[key] - before[key]).abs().max() > 0.9 * step["lr"], key

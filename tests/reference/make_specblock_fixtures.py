@@ -254,6 +254,33 @@ def run_training(modules, model, batch) -> tuple[dict[str, torch.Tensor], dict]:
     return out, {"followup_m": list(FOLLOWUP_M), "position_loss_weight": 0.8, "budget_per_class": 10}
 
 
+def one_step(modules, model, batch, lr: float = 5e-5) -> tuple[dict[str, torch.Tensor], dict]:
+    """One reference training step on block 1 with the rank loss (`num_ttt_blocks` 1, `rank_start_step` 0) through
+    its `BF16Optimizer` (float32 AdamW, betas (0.9, 0.95), no weight decay, gradient norm clipped to 0.5, linear
+    schedule without warm-up, the recipe's learning rate 5e-5): the loss and every trainable weight after the step."""
+    sys.modules["specforge.utils"] = types.SimpleNamespace(print_on_rank0=lambda *a, **k: None)
+    optimizer_module = importlib.import_module("specforge.optimizer")
+    model.freeze_embedding()
+    optimizer = optimizer_module.BF16Optimizer(model, lr=lr, max_grad_norm=0.5, warmup_steps=0, total_steps=100,
+                                               scheduler_type="linear")  # fmt: skip
+    step_lr = optimizer.optimizer.param_groups[0]["lr"]
+    wrapper = modules["core"].OnlineSpecBlockModel(model, length=K, rank_start_step=0, num_ttt_blocks=1,
+                                                   budget_per_class=10)  # fmt: skip
+    plosses, _, _ = wrapper(input_ids=batch["input_ids"], attention_mask=None, target=batch["target"],
+                            loss_mask=batch["loss_mask"], hidden_states=batch["hidden_states"], global_step=0)  # fmt: skip
+    weights = 0.8 ** torch.arange(K, dtype=torch.float32)
+    loss = (weights * torch.stack(plosses[:-1])).sum() + plosses[-1]  # run_backward_and_update, accumulation 1
+    loss.backward()
+    grad_norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None]).item()
+    optimizer.step()
+    out = {f"step.{k}": v.detach().clone() for k, v in model.state_dict().items() if "embed" not in k}
+    out["step.loss"] = loss.detach()
+    out["step.draft_per_slot"] = torch.stack(plosses[:-1]).detach()
+    out["step.rank"] = plosses[-1].detach()
+    return out, {"step": {"lr": step_lr, "betas": [0.9, 0.95], "weight_decay": 0.0, "max_grad_norm": 0.5,
+                          "grad_norm_before_clipping": grad_norm, "loss": loss.item()}}  # fmt: skip
+
+
 def F_pad(labels: torch.Tensor, missing: int) -> torch.Tensor:
     """[B, S-k] -> [B, S], -1 past the end."""
     return torch.cat([labels, labels.new_full((labels.shape[0], missing), -1)], dim=1)
@@ -365,6 +392,9 @@ def main(argv: list[str] | None = None) -> int:
     model.freeze_embedding()
     training, training_info = run_training(modules, model, batch)
     training.update({f"batch.{k}": v for k, v in batch.items()})
+    step, step_info = one_step(modules, random_reference_drafter(modules, embedding), batch)
+    training.update(step)
+    training_info.update(step_info)
     atomic_save(training, out / "training.safetensors")
 
     manifest = {
