@@ -19,6 +19,7 @@ from safetensors.torch import load_file
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from transformers_specblock import SpecBlockDraftModel
+from transformers_specblock.generation.tree import HostTree
 from transformers_specblock.models.specblock.modeling_specblock import block_causal_mask
 from transformers_specblock.training.arguments import SpecBlockLossConfig
 from transformers_specblock.training.losses import (
@@ -336,3 +337,18 @@ def test_one_training_step_equals_the_reference(target, training, manifest, tmp_
             moved = (ours[key] - before[key]) - (theirs[key] - before[key])
             assert moved.abs().max() <= 0.05 * step["lr"], key
             assert (theirs[key] - before[key]).abs().max() > 0.9 * step["lr"], key
+
+
+# ------------------------------------------------------------------------------------------------ trees
+def test_pruning_keeps_the_nodes_the_reference_keeps(manifest):
+    """The harness prunes a drafted tree to its budget by cumulative draft log-prob, adding each node with its
+    missing ancestors while they fit (`_prune_tree_np`); ours keeps the best path scores. On trees whose scores fall
+    along every path (drafted trees') both keep the same nodes."""
+    trees = load_file(FIXTURES / "trees.safetensors")
+    for case, budget in enumerate(manifest["pruning_budgets"]):
+        tree = HostTree.root_only()
+        for node, (parent, score) in enumerate(zip(trees[f"prune{case}.parents"].tolist(),
+                                                   trees[f"prune{case}.lps"].tolist())):  # fmt: skip
+            tree.add_node(node, parent + 1, score)
+        kept = sorted(tree.prune(budget).tokens[1:])
+        assert kept == trees[f"prune{case}.kept"].tolist(), case

@@ -33,6 +33,7 @@ import sys
 import types
 from pathlib import Path
 
+import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
@@ -61,6 +62,49 @@ def load_reference(root: str) -> dict[str, types.ModuleType]:
     }
     modules["blocks"].get_compiled_flex_attention = lambda kv_len: dense_flex_attention
     return modules
+
+
+def load_harness_tree_module(root: str) -> types.ModuleType:
+    """`benchmarks_hf/algorithms/_specblock_base.py` (the inference harness's tree code). It imports `triton` at the
+    top (for GPU kernels this script never calls: a stub module answers `triton.jit` / `triton.language`) and, through
+    `algorithms/base.py`, `utils.prompt`, which needs `specforge.data`, absent from the repository (a stub answers
+    its three chat-prompt helpers, unused by tree building)."""
+    triton = types.ModuleType("triton")
+    triton.jit = lambda fn=None, **kwargs: fn if fn is not None else (lambda inner: inner)
+    language = types.ModuleType("triton.language")
+    language.constexpr = int
+    triton.language = language
+    prompt = types.ModuleType("utils.prompt")
+    prompt.detect_model_family = lambda path: "llama"
+    prompt.prepare_conversation = lambda conversation, family: conversation
+    prompt.get_system_prompt = lambda family: ""
+    utils = types.ModuleType("utils")
+    utils.__path__, utils.prompt = [], prompt
+    sys.modules.update({"triton": triton, "triton.language": language, "utils": utils, "utils.prompt": prompt})
+    return importlib.import_module("benchmarks_hf.algorithms._specblock_base")
+
+
+def pruning_cases(harness, generator, cases: int = 24) -> tuple[dict[str, torch.Tensor], dict]:
+    """Random trees (node i's parent < i, -1 = the root; cumulative draft log-probs that fall along every path, as
+    drafted trees' do) pruned by the harness's `_prune_tree_np` (`COVERAGE_PRUNE` off, its default) to a budget."""
+    out, budgets = {}, []
+    holder = types.SimpleNamespace(_coverage_prune=False)
+    for case in range(cases):
+        num = int(torch.randint(20, 80, (1,), generator=generator))
+        budget = int(torch.randint(5, num, (1,), generator=generator))
+        parents = [-1] + [int(torch.randint(-1, i, (1,), generator=generator)) for i in range(1, num)]
+        step = torch.rand(num, generator=generator, dtype=torch.float64) * 3.0 + 1e-3
+        lps = []
+        for i, parent in enumerate(parents):
+            lps.append((lps[parent] if parent >= 0 else 0.0) - float(step[i]))
+        buffers = [np.arange(num, dtype=np.int64) + 1000, np.array(parents, dtype=np.int64),
+                   np.array(lps, dtype=np.float64)] + [np.zeros(num, dtype=np.int64) for _ in range(3)]  # fmt: skip
+        kept = harness._SpecBlockAlgorithmBase._prune_tree_np(holder, num, *buffers, budget)
+        out[f"prune{case}.parents"] = torch.tensor(parents)
+        out[f"prune{case}.lps"] = torch.tensor(lps, dtype=torch.float64)
+        out[f"prune{case}.kept"] = torch.tensor(sorted(int(t) - 1000 for t in buffers[0][:kept]))
+        budgets.append(budget)
+    return out, {"pruning_budgets": budgets}
 
 
 def dense_mask(block_mask) -> torch.Tensor:
@@ -395,6 +439,8 @@ def main(argv: list[str] | None = None) -> int:
     step, step_info = one_step(modules, random_reference_drafter(modules, embedding), batch)
     training.update(step)
     training_info.update(step_info)
+    trees, trees_info = pruning_cases(load_harness_tree_module(args.reference), torch.Generator().manual_seed(4))
+    atomic_save(trees, out / "trees.safetensors")
     atomic_save(training, out / "training.safetensors")
 
     manifest = {
@@ -408,6 +454,7 @@ def main(argv: list[str] | None = None) -> int:
         "attention": "flex_attention answered by dense softmax attention over the reference mask_mod",
         **export_info,
         **training_info,
+        **trees_info,
         "loss": {k: v.tolist() for k, v in training.items() if k.startswith("loss.")},
     }
     if args.check_flex:
