@@ -352,3 +352,62 @@ def test_pruning_keeps_the_nodes_the_reference_keeps(manifest):
             tree.add_node(node, parent + 1, score)
         kept = sorted(tree.prune(budget).tokens[1:])
         assert kept == trees[f"prune{case}.kept"].tolist(), case
+
+
+def paths(tokens: list[int], parents: list[int]) -> set[tuple[int, ...]]:
+    """Every node as the tuple of tokens from the root's child down to it (parents: -1 = the root)."""
+    out: list[tuple[int, ...]] = []
+    for token, parent in zip(tokens, parents):
+        out.append((out[parent] if parent >= 0 else ()) + (token,))
+    return set(out)
+
+
+def harness_widths(probs: list[float], classes: list[int], beam_width: int = 10) -> list[int]:
+    """Candidates per slot of a harness block-1 tree at its defaults. Slot 0: 3 / 5 / 8 / beam width by its greedy
+    probability (>= 0.9 / 0.8 / 0.6 / below; `ADAPTIVE_SLOT0=1`), whatever its rank class. Slot k >= 1: "slim_r2"
+    [2, 4, 6, 4][class], at most 2 / 3 when the greedy probability is >= 0.95 / 0.85 (`ADAPTIVE_ALL=1`)."""
+    p0 = probs[0]
+    widths = [min(3, beam_width) if p0 >= 0.9 else min(5, beam_width) if p0 >= 0.8 else
+              min(8, beam_width) if p0 >= 0.6 else beam_width]  # fmt: skip
+    for p, c in zip(probs[1:], classes[1:]):
+        base = [2, 4, 6, 4][c]
+        widths.append(min(2, base) if p >= 0.95 else min(3, base) if p >= 0.85 else base)
+    return widths
+
+
+def test_block1_tree_is_the_reference_tree_but_for_slot_0(drafter, manifest):
+    """Block 1 of a tree at the harness's defaults: the greedy chain of K nodes and, at every slot, its top candidates
+    under the previous slot's greedy node, as many as `harness_widths` says. Ours (`branch_widths` (2, 4, 6, 4), the
+    harness's rank features: top 10) drafts `branch_widths[class]` at every slot: the same nodes wherever the two
+    widths agree, a prefix of the same ranking elsewhere - slot 0 (the harness ignores its rank class there) and the
+    confident slots the harness narrows."""
+    from numpy import zeros
+
+    from transformers_specblock.generation.candidate_generators.specblock import SpecBlockCandidateGenerator
+
+    trees = load_file(FIXTURES / "trees.safetensors")
+    drafter.config.rank_feature_top_k = 10
+    agree = differ = 0
+    try:
+        generator = SpecBlockCandidateGenerator(drafter, tree_budget=90, max_blocks=1)
+        head = drafter.lm_head.weight.detach().clone()
+        for case, scale in enumerate(manifest["block1_trees"]["lm_head_scales"]):
+            with torch.no_grad():
+                drafter.lm_head.weight.copy_(head * scale)
+                out = drafter(trees[f"tree{case}.input_ids"], trees[f"tree{case}.features"])
+                drafter.lm_head.weight.copy_(head)
+            logits, hidden, rank = out.logits[0, -1:], out.hidden_states[0, -1:], out.rank_logits[0, -1:]
+            tree = HostTree.root_only()
+            generator._expand(tree, generator._read_round(logits, hidden, rank, [0], zeros((1, 0), dtype=bool)))
+            ours = paths(tree.tokens[1:], [p - 1 for p in tree.parents[1:]])
+            theirs = paths(trees[f"tree{case}.tokens"].tolist(), trees[f"tree{case}.parents"].tolist())
+            classes = rank[0].argmax(-1).tolist()
+            expected = harness_widths(logits[0].softmax(-1).max(-1).values.tolist(), classes)
+            for slot in range(4):
+                mine, yours = {p for p in ours if len(p) == slot + 1}, {p for p in theirs if len(p) == slot + 1}
+                assert len(yours) == expected[slot] and len(mine) == drafter.config.branch_widths[classes[slot]]
+                assert mine <= yours if len(mine) <= len(yours) else yours <= mine
+                agree, differ = agree + (mine == yours), differ + (mine != yours)
+    finally:
+        drafter.config.rank_feature_top_k = 20
+    assert agree and differ  # both kinds of slot occur in the fixtures

@@ -41,6 +41,7 @@ HIDDEN, LAYERS, HEADS, KV_HEADS, INTERMEDIATE = 64, 2, 4, 2, 128
 VOCAB, DRAFT_VOCAB, K, RANK_CLASSES = 256, 128, 4, 4
 POSITIONS = 6  # modeling fixtures: positions of one sequence
 FOLLOWUP_M = (2, 3)  # training-time follow-up blocks: block 2 starts from slot M1-1 of block 1, block 3 from M2-1
+TREE_HEAD_SCALES = (1.0, 1.0, 6.0, 6.0, 12.0, 12.0, 25.0, 25.0, 50.0, 50.0)  # block-1 tree cases: lm_head x scale
 
 
 def load_reference(root: str) -> dict[str, types.ModuleType]:
@@ -105,6 +106,54 @@ def pruning_cases(harness, generator, cases: int = 24) -> tuple[dict[str, torch.
         out[f"prune{case}.kept"] = torch.tensor(sorted(int(t) - 1000 for t in buffers[0][:kept]))
         budgets.append(budget)
     return out, {"pruning_budgets": budgets}
+
+
+def block1_trees(modules, harness, model, folder: Path, generator) -> tuple[dict, dict]:
+    """Block-1 trees the harness builds (`_build_tree_from_block1`, one block step so no follow-up forward) at
+    `SpecBlockAlgorithm._PARETO_DEFAULTS` (slot widths "slim_r2" [2, 4, 6, 4], `ADAPTIVE_SLOT0` and `ADAPTIVE_ALL` 1,
+    beam width 10, 90 tree tokens) for the reference drafter's block 1 at the last of 6 random positions, rank logits
+    as the harness computes them (`RANK_TOPK` 10), with `lm_head` scaled by TREE_HEAD_SCALES (confident slots). `torch.cuda.synchronize` is a no-op here (the CPU has nothing to
+    wait for) and the final `build_tree_buffers_triton` (Triton kernels turning nodes into masks) is replaced by a
+    recorder of the nodes it receives: tokens (target ids) and parents (-1 = the root)."""
+    settings = {**harness_module(harness, "specblock").SpecBlockAlgorithm._PARETO_DEFAULTS}
+    for key, value in settings.items():
+        os.environ.setdefault(key, value)
+    algorithm = harness_module(harness, "specblock").SpecBlockAlgorithm(
+        model_path="target", draft_model_path=str(folder), device="cpu", total_tokens=90, max_blocks=1, beam_width=10
+    )
+    algorithm.draft_model = model
+    algorithm._block_forward_events = {}
+    recorded = []
+
+    def record(n_nodes, tokens, parents, sample_token, device, k_slots, max_blocks):
+        recorded.append((tokens[:n_nodes].copy(), parents[:n_nodes].copy()))
+        return None, None, None, None
+
+    torch.cuda.synchronize = lambda *args, **kwargs: None
+    harness.build_tree_buffers_triton = record
+    out, head = {}, model.lm_head.weight.detach().clone()
+    for case, scale in enumerate(TREE_HEAD_SCALES):  # sharper heads: confident slots, where the harness narrows
+        features = torch.randn(1, POSITIONS, 3 * HIDDEN, generator=generator)
+        ids = torch.randint(0, VOCAB, (1, POSITIONS), generator=generator)
+        with torch.no_grad():
+            model.lm_head.weight.copy_(head * scale)
+            logits, _, hidden, _, _ = model.forward_parallel(features, ids, torch.ones_like(ids))
+            rank_logits = harness_rank_logits(modules, model, hidden[:, -1], 10)
+            model.lm_head.weight.copy_(head)
+        ttt = [(torch.zeros(1, KV_HEADS, K, HIDDEN // HEADS),) * 2 for _ in range(LAYERS)]
+        cache = [[torch.zeros(1, KV_HEADS, 64, HIDDEN // HEADS), torch.zeros(1, KV_HEADS, 64, HIDDEN // HEADS),
+                  POSITIONS * K, 64] for _ in range(LAYERS)]  # fmt: skip
+        algorithm._build_tree_from_block1(logits[:, -1], rank_logits, hidden[:, -1], ttt, ids[:, -1:], cache,
+                                          POSITIONS - 1)  # fmt: skip
+        tokens, parents = recorded.pop()
+        out.update({f"tree{case}.features": features, f"tree{case}.input_ids": ids,
+                    f"tree{case}.tokens": torch.from_numpy(tokens), f"tree{case}.parents": torch.from_numpy(parents)})  # fmt: skip
+    return out, {"block1_trees": {"lm_head_scales": list(TREE_HEAD_SCALES), "settings": settings, "beam_width": 10, "total_tokens": 90,
+                                  "rank_topk": 10}}  # fmt: skip
+
+
+def harness_module(harness: types.ModuleType, name: str) -> types.ModuleType:
+    return importlib.import_module(f"{harness.__name__.rsplit('.', 1)[0]}.{name}")
 
 
 def dense_mask(block_mask) -> torch.Tensor:
@@ -439,7 +488,11 @@ def main(argv: list[str] | None = None) -> int:
     step, step_info = one_step(modules, random_reference_drafter(modules, embedding), batch)
     training.update(step)
     training_info.update(step_info)
-    trees, trees_info = pruning_cases(load_harness_tree_module(args.reference), torch.Generator().manual_seed(4))
+    harness = load_harness_tree_module(args.reference)
+    trees, trees_info = pruning_cases(harness, torch.Generator().manual_seed(4))
+    block1, block1_info = block1_trees(modules, harness, model, out / "reference_drafter", torch.Generator().manual_seed(5))
+    trees.update(block1)
+    trees_info.update(block1_info)
     atomic_save(trees, out / "trees.safetensors")
     atomic_save(training, out / "training.safetensors")
 
