@@ -411,3 +411,45 @@ def test_block1_tree_is_the_reference_tree_but_for_slot_0(drafter, manifest):
     finally:
         drafter.config.rank_feature_top_k = 20
     assert agree and differ  # both kinds of slot occur in the fixtures
+
+
+@pytest.mark.parametrize("case", [0, 1])
+def test_followup_blocks_while_drafting_equal_the_harness(drafter, manifest, case, one_thread):
+    """The harness's own inference model drafted a round of follow-up blocks after 5 context positions and the first
+    drafted one: each starts from a block-1 slot's pre-norm state and token, sees the committed context and block 1's
+    slots up to its start slot, at block 1's rotary positions. Our cache, block 1 and `draft_blocks` under
+    `followup_block_mask` give the same logits, rank logits (harness features: top 10) and slot states."""
+    from numpy import arange
+
+    from transformers_specblock.generation.candidate_generators.specblock import SpecBlockCandidateGenerator
+    from transformers_specblock.models.specblock.modeling_specblock import followup_block_mask
+
+    trees = load_file(FIXTURES / "trees.safetensors")
+    scale = manifest["followup_rounds"]["lm_head_scales"][case]
+    p = f"round{case}."
+    head = drafter.lm_head.weight.detach().clone()
+    drafter.config.rank_feature_top_k = 10
+    try:
+        with torch.no_grad():
+            drafter.lm_head.weight.copy_(head * scale)
+            generator = SpecBlockCandidateGenerator(drafter, tree_budget=90, max_blocks=2)
+            generator.observe(trees[p + "features"][0], trees[p + "input_ids"][0], 1)
+            logits, hidden, rank = generator.root_block
+            torch.testing.assert_close(logits, trees[p + "block1.logits"], **TOL)
+            torch.testing.assert_close(rank, trees[p + "block1.rank_logits"], **TOL)
+            torch.testing.assert_close(hidden, trees[p + "block1.hidden"], **TOL)
+            seen = trees[p + "seen_block1_slots"]
+            torch.testing.assert_close(trees[p + "start_states"], hidden[0, seen - 1], **TOL)  # slot s starts it
+            inherited = arange(4)[None, :] < seen.numpy()[:, None]
+            num = len(seen)
+            positions = torch.tensor([generator.drafter.followup_start_positions(generator.root_position, [0] * num)])
+            mask = followup_block_mask(inherited, 4, generator.committed_entries - 4, "cpu")
+            out = drafter.draft_blocks(trees[p + "start_states"][None], trees[p + "start_tokens"][None], positions,
+                                       mask, generator.cache)  # fmt: skip
+            drafter.lm_head.weight.copy_(head)
+    finally:
+        drafter.lm_head.weight.data.copy_(head)
+        drafter.config.rank_feature_top_k = 20
+    torch.testing.assert_close(out.logits[0], trees[p + "logits"], **TOL)
+    torch.testing.assert_close(out.rank_logits[0], trees[p + "rank_logits"], **TOL)
+    torch.testing.assert_close(out.hidden_states[0], trees[p + "hidden"], **TOL)

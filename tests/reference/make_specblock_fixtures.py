@@ -152,6 +152,79 @@ def block1_trees(modules, harness, model, folder: Path, generator) -> tuple[dict
                                   "rank_topk": 10}}  # fmt: skip
 
 
+class _NoEvent:
+    """`torch.cuda.Event` stand-in: the harness times its block forwards with CUDA events; nothing to time here."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        pass
+
+    def record(self, *args, **kwargs) -> None:
+        pass
+
+    def elapsed_time(self, other) -> float:
+        return 0.0
+
+
+def followup_round(harness, folder: Path, generator, scales=(1.0, 6.0)) -> tuple[dict, dict]:
+    """Two-block trees drafted by the harness's own inference model (`SpecBlockInferenceModel`, float32 here, the
+    harness runs bfloat16): `prefill_and_draft` on 5 random context positions and the first drafted position, then
+    `_build_tree_from_block1` at the harness's defaults with two block steps. Recorded: the context, block 1, every
+    follow-up block of the round (`forward_with_cache`: start slot states, tokens, which of block 1's slots each
+    sees, its logits / rank logits / slot states) and the final tree (nodes, parents) after pruning to 90."""
+    import collections
+
+    from transformers import LlamaConfig
+
+    torch.cuda.Event = _NoEvent
+    torch.cuda.synchronize = lambda *args, **kwargs: None
+    config = LlamaConfig.from_pretrained(folder)
+    model = harness_module(harness, "specblock_inference_model").SpecBlockInferenceModel(config).float().eval()
+    result = model.load_state_dict(load_file(folder / "model.safetensors"), strict=False)
+    assert result.missing_keys == ["input_layer.embed_tokens.weight"] and not result.unexpected_keys, result
+    model.load_vocab_mapping(str(folder / "vocab_mapping.pt"))
+    model.input_layer.embed_tokens.weight.data.copy_(load_file(folder.parent / "target_embedding.safetensors")["weight"])
+    model.prepare_for_inference()
+    head = model.lm_head.weight.detach().clone()
+    algorithm = harness_module(harness, "specblock").SpecBlockAlgorithm(
+        model_path="target", draft_model_path=str(folder), device="cpu", total_tokens=90, max_blocks=2, beam_width=10
+    )
+    algorithm.draft_model = model
+    algorithm._block_forward_events = collections.defaultdict(list)
+    calls, trees = [], []
+    forward = model.forward_with_cache
+
+    def record_forward(**kwargs):
+        out = forward(**kwargs)
+        calls.append((kwargs["hidden"], kwargs["input_ids"], kwargs["ttt_mask"], kwargs["position_id"], *out[:3]))
+        return out
+
+    model.forward_with_cache = record_forward
+    harness.build_tree_buffers_triton = lambda n, tokens, parents, *rest: trees.append(
+        (tokens[:n].copy(), parents[:n].copy())
+    ) or (None, None, None, None)
+    out = {}
+    for case, scale in enumerate(scales):
+        features = torch.randn(1, POSITIONS, 3 * HIDDEN, generator=generator)
+        ids = torch.randint(0, VOCAB, (1, POSITIONS), generator=generator)
+        with torch.no_grad():
+            model.lm_head.weight.copy_(head * scale)
+            cache, position, logits, rank, hidden, ttt = model.prefill_and_draft(
+                features[:, :-1], ids[:, :-1], features[:, -1:], ids[:, -1:]
+            )
+            algorithm._build_tree_from_block1(logits, rank, hidden, ttt, ids[:, -1:], cache, position - 1)
+            model.lm_head.weight.copy_(head)
+        (start, tokens, seen, position_id, f_logits, f_rank, f_hidden), (nodes, parents) = calls.pop(), trees.pop()
+        assert not calls and position_id == position - 1
+        out.update({f"round{case}.{name}": t for name, t in (
+            ("features", features), ("input_ids", ids), ("block1.logits", logits), ("block1.rank_logits", rank),
+            ("block1.hidden", hidden), ("start_states", start[:, 0]), ("start_tokens", tokens[:, 0]),
+            ("seen_block1_slots", seen.sum(-1)), ("logits", f_logits), ("rank_logits", f_rank),
+            ("hidden", f_hidden), ("tree.tokens", torch.from_numpy(nodes)),
+            ("tree.parents", torch.from_numpy(parents)))})  # fmt: skip
+    return out, {"followup_rounds": {"lm_head_scales": list(scales), "context_positions": POSITIONS - 1,
+                                     "max_blocks": 2, "total_tokens": 90, "beam_width": 10}}  # fmt: skip
+
+
 def harness_module(harness: types.ModuleType, name: str) -> types.ModuleType:
     return importlib.import_module(f"{harness.__name__.rsplit('.', 1)[0]}.{name}")
 
@@ -493,6 +566,9 @@ def main(argv: list[str] | None = None) -> int:
     block1, block1_info = block1_trees(modules, harness, model, out / "reference_drafter", torch.Generator().manual_seed(5))
     trees.update(block1)
     trees_info.update(block1_info)
+    rounds, rounds_info = followup_round(harness, out / "reference_drafter", torch.Generator().manual_seed(6))
+    trees.update(rounds)
+    trees_info.update(rounds_info)
     atomic_save(trees, out / "trees.safetensors")
     atomic_save(training, out / "training.safetensors")
 
