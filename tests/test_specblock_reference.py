@@ -247,7 +247,8 @@ def training_hidden(drafter, training, ms):
         token_idx = (torch.arange(num_pos) + offset).clamp(max=num_pos - 1)
         mask = followup_training_mask(num_pos, k_slots, list(ms[:b]), "cpu")
         mask[:, -width:] |= pos[None, :] < pos[:, None]  # the reference's block also sees its earlier positions
-        hidden = drafter.draft_blocks(hidden[:, :, m - 1], ids[:, token_idx], positions, mask[None], cache).hidden_states
+        out = drafter.draft_blocks(hidden[:, :, m - 1], ids[:, token_idx], positions, mask[None], cache)
+        hidden = out.hidden_states
         hiddens.append(hidden)
     return hiddens
 
