@@ -485,3 +485,32 @@ def test_two_block_trees_share_the_nodes_docs_state(drafter, manifest, one_threa
         drafter.lm_head.weight.data.copy_(head)
         drafter.config.rank_feature_top_k, drafter.config.max_followups = 20, 4
     assert shared == {(0, 4): 39, (0, 64): 48, (1, 4): 49, (1, 64): 61}
+
+
+# ------------------------------------------------------------------------------------------------ decoding
+def test_greedy_decoding_commits_what_the_harness_commits(target, manifest, one_thread):
+    """A drafter the reference's own training code trained on the tiny target (300 steps), saved by its
+    `save_pretrained`: the harness's greedy loop (two block steps, 90 tree tokens) and `generate` with it here
+    (`tree_budget` 90, `max_blocks` 2, rank features over the top 10 as the harness computes them) both commit the
+    target's own greedy tokens. Step by step they commit the same counts until the trees differ (slot 0, follow-up
+    starts: see the tree tests), from step 2 to 16 of about 20; there the harness commits 4 where ours commits 5.
+    tau over 6 prompts x 40 tokens: harness 1.919, ours 2.036."""
+    decoding = load_file(FIXTURES / "decoding.safetensors")
+    drafter = SpecBlockDraftModel.from_pretrained(FIXTURES / "decoding_drafter", target=target).eval()
+    drafter.config.rank_feature_top_k = 10
+    theirs_tau, ours_tau, per_step = [], [], []
+    for row, prompt in enumerate(decoding["prompts"]):
+        committed = decoding[f"prompt{row}.tokens"]
+        plain = target.generate(prompt[None], do_sample=False, max_new_tokens=len(committed))[0, len(prompt) :]
+        assert torch.equal(plain, committed)
+        with drafter.tree_settings(tree_budget=90, max_blocks=2):  # loaded: max_blocks = num_ttt_blocks (3)
+            ours = target.generate(prompt[None], assistant_model=drafter, do_sample=False,
+                                   max_new_tokens=len(committed))  # fmt: skip
+        per_step.append((decoding[f"prompt{row}.per_iteration"].tolist(), drafter.last_stats.accepted_per_iteration))
+        assert torch.equal(ours[0, len(prompt) :], committed)
+        theirs_tau.append(decoding[f"prompt{row}.per_iteration"].float().mean().item())
+        ours_tau.append(drafter.last_stats.tau)
+    assert round(sum(theirs_tau) / len(theirs_tau), 3) == round(manifest["decoding"]["harness_tau"], 3) == 1.919
+    assert round(sum(ours_tau) / len(ours_tau), 3) == 2.036
+    leading = [next((i for i, (a, b) in enumerate(zip(t, o)) if a != b), min(len(t), len(o))) for t, o in per_step]
+    assert leading == [11, 5, 16, 8, 5, 2]  # identical committed counts, step by step, before the first difference

@@ -19,6 +19,8 @@ vocabulary 128, 4 rank classes):
   (`reference_training.py`).
 * `trees.safetensors`: pruning, block-1 trees and a round of follow-up blocks of the inference harness
   (`reference_trees.py`).
+* `decoding_drafter/`, `decoding.safetensors`: a drafter trained by the reference's training code on a tiny target
+  and what the harness's greedy loop commits with it, iteration by iteration (`reference_decoding.py`).
 * `manifest.json`: the reference commit, the settings, the scalar results.
 """
 
@@ -37,6 +39,7 @@ from reference_code import (
     check_flex, dense_mask,
     harness_rank_logits, load_harness_tree_module, load_reference, random_reference_drafter,
 )  # fmt: skip
+from reference_decoding import PROMPT_LENGTH, PROMPTS, harness_decode, tiny_target, train_reference_drafter
 from reference_training import one_step, run_training, training_batch
 from reference_trees import block1_trees, followup_round, pruning_cases
 from safetensors.torch import load_file, save_file
@@ -128,6 +131,31 @@ def check_our_export(modules, folder: Path, features, input_ids, expected: dict)
     return out, {"export_vs_reference_max_abs_diff": diffs, "export_missing_keys": result.missing_keys}
 
 
+def decode(modules, harness, embedding: torch.Tensor, out: Path) -> tuple[dict[str, torch.Tensor], dict]:
+    """Train a drafter with the reference's training code on the tiny target (`reference_decoding.py`), save it as
+    the reference saves it (`decoding_drafter/`), and run the harness's greedy loop with it on PROMPTS prompts:
+    `decoding.safetensors` holds the prompts, the tokens each iteration committed and their counts."""
+    target = tiny_target(embedding)
+    model = random_reference_drafter(modules, embedding)
+    model.freeze_embedding()
+    losses = train_reference_drafter(modules, model.train(), target, torch.Generator().manual_seed(7))
+    folder = out / "decoding_drafter"
+    folder.mkdir(exist_ok=True)
+    model.eval().save_pretrained(str(folder))
+    torch.save({"d2t": model.d2t.clone(), "t2d": model.t2d.clone()}, folder / "vocab_mapping.pt")
+    prompts = torch.randint(0, VOCAB, (PROMPTS, PROMPT_LENGTH), generator=torch.Generator().manual_seed(8))
+    steps = harness_decode(harness, folder, target, prompts)
+    tensors = {"prompts": prompts}
+    for row, iterations in enumerate(steps):
+        tensors[f"prompt{row}.tokens"] = torch.tensor([t for it in iterations for t in it])
+        tensors[f"prompt{row}.per_iteration"] = torch.tensor([len(it) for it in iterations])
+    atomic_save(tensors, out / "decoding.safetensors")
+    taus = [sum(len(it) for it in its) / len(its) for its in steps]
+    info = {"training_steps": len(losses), "first_loss": losses[0], "last_loss": losses[-1],
+            "harness_tau": sum(taus) / len(taus), "max_blocks": 2, "total_tokens": 90}  # fmt: skip
+    return tensors, {"decoding": info}
+
+
 def commit_of(root: str) -> str:
     try:
         return subprocess.run(["git", "-C", root, "rev-parse", "HEAD"], capture_output=True, text=True,
@@ -191,6 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     rounds, rounds_info = followup_round(harness, folder, torch.Generator().manual_seed(6))
     trees.update(rounds)
     trees_info.update(rounds_info)
+    decoding, decoding_info = decode(modules, harness, embedding, out)
     atomic_save(trees, out / "trees.safetensors")
     atomic_save(training, out / "training.safetensors")
 
@@ -206,6 +235,7 @@ def main(argv: list[str] | None = None) -> int:
         **export_info,
         **training_info,
         **trees_info,
+        **decoding_info,
         "loss": {k: v.tolist() for k, v in training.items() if k.startswith("loss.")},
     }
     if args.check_flex:
