@@ -514,3 +514,18 @@ def test_greedy_decoding_commits_what_the_harness_commits(target, manifest, one_
     assert round(sum(ours_tau) / len(ours_tau), 3) == 2.036
     leading = [next((i for i, (a, b) in enumerate(zip(t, o)) if a != b), min(len(t), len(o))) for t, o in per_step]
     assert leading == [11, 5, 16, 8, 5, 2]  # identical committed counts, step by step, before the first difference
+
+
+def test_reference_rank_loss_form_trains_every_block(target, training, one_thread):
+    """`rank_loss_form="reference"` over three blocks: a finite loss whose rank part reaches the rank head; an unknown
+    form is refused."""
+    trained = SpecBlockDraftModelForTraining.from_pretrained(FIXTURES / "reference_drafter", target=target)
+    trained.loss_config = SpecBlockLossConfig(rank_loss_form="reference")
+    ids, features, target_logits, argmax = our_batch(trained, training)
+    ones = torch.ones_like(ids)
+    out = trained(ids, ones, ones, features, target_logits, argmax, (2, 3), training_step=0)
+    assert torch.isfinite(out.loss) and out.loss_rank > 0
+    out.loss_rank.backward()
+    assert trained.rank_head[0].weight.grad.abs().sum() > 0 and trained.lm_head.weight.grad is None
+    with pytest.raises(ValueError, match="rank_loss_form must be one of"):
+        SpecBlockLossConfig(rank_loss_form="paper")
