@@ -13,6 +13,7 @@ from .attention import SPARSE_SDPA
 
 _DTYPES = DTYPES  # float32, bfloat16, float16
 SLOT_NORMALIZATIONS = ("valid_prefix", "slot0")
+RANK_LOSS_FORMS = ("package", "reference")
 _TIMED_SCHEDULES = ("constant", "constant_with_warmup", "linear", "cosine")
 """Learning-rate schedules `--max_train_minutes` can run by elapsed time."""
 
@@ -188,6 +189,20 @@ class SpecBlockTrainingArguments(TrainingArguments):
         default=2.0,
         metadata={"help": "How much harder under-estimating a rank class is punished than over-estimating."},
     )
+    rank_loss_form: str = field(
+        default="package",
+        metadata={
+            "choices": list(RANK_LOSS_FORMS),
+            "help": "package: the rank loss of `rank_head_loss` with the rank_class_weight_power, "
+            "rank_label_smoothing, rank_distance_weight and rank_under_penalty switches, pooled over blocks. "
+            "reference: the SpecBlock reference's (chain cut after the first wrong class prediction, per-slot "
+            "weights min(1, rank_budget_per_class / count), kernel smoothing, distance to the predicted class), "
+            "averaged over blocks; those four switches are then unused.",
+        },
+    )
+    rank_budget_per_class: int = field(
+        default=10, metadata={"help": "rank_loss_form reference: per-slot class weight min(1, budget / count)."}
+    )
     slot_normalization: str = field(
         default="valid_prefix",
         metadata={
@@ -246,6 +261,8 @@ class SpecBlockLossConfig:
     rank_label_smoothing: float = 0.1
     rank_distance_weight: float = 1.0
     rank_under_penalty: float = 2.0
+    rank_loss_form: str = "package"
+    rank_budget_per_class: int = 10
     slot_normalization: str = "valid_prefix"
     unlock_warmup_steps: int = 0
     rank_start_step: int = 0
@@ -256,6 +273,8 @@ class SpecBlockLossConfig:
             raise ValueError(
                 f"slot_normalization must be one of {SLOT_NORMALIZATIONS}, got {self.slot_normalization!r}."
             )
+        if self.rank_loss_form not in RANK_LOSS_FORMS:
+            raise ValueError(f"rank_loss_form must be one of {RANK_LOSS_FORMS}, got {self.rank_loss_form!r}.")
         if self.unlock_warmup_steps < 0 or self.rank_start_step < 0:
             raise ValueError("unlock_warmup_steps and rank_start_step must be >= 0.")
 

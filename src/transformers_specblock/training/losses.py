@@ -114,6 +114,46 @@ def rank_head_loss(
     return (loss * weights).sum(), (class_counts * class_weights).sum()
 
 
+def reference_rank_loss(
+    rank_logits: torch.Tensor,
+    labels: torch.LongTensor,
+    mask: torch.BoolTensor,
+    start: torch.BoolTensor,
+    budget_per_class: int = 10,
+) -> torch.Tensor:
+    """The SpecBlock reference's rank-head loss of one block (its ``_compute_batched_loss_acc_and_rank``).
+
+    rank_logits [B, P, K, C], labels [B, P, K], mask [B, P, K] (the slot's target exists, is counted and lies in the
+    draft vocabulary), start [B, P] (where a position's chain starts). Slot k of a position counts while every
+    earlier slot's predicted class was right (the chain includes the first wrong one); per slot, class c weighs
+    ``min(1, budget_per_class / n_c)`` (n_c: counted slots of that class; <= 0 disables it); the soft target is the
+    kernel ``1 / (1 + |c - y| + max(y - c, 0))^2`` normalised; each slot's cross-entropy is multiplied by
+    ``1 + |y - p| + max(y - p, 0)`` (p: the predicted class). The loss is the weighted mean over counted slots.
+    """
+    num_classes = rank_logits.shape[-1]
+    labels = labels.clamp(max=num_classes - 1)
+    predicted = rank_logits.detach().argmax(-1)
+    survived = (predicted == labels).long().cumprod(-1)
+    chain = start[..., None] & F.pad(survived[..., :-1], (1, 0), value=1).bool()
+    counted = (chain & mask).float()
+    one_hot = F.one_hot(labels, num_classes).float()
+    if budget_per_class > 0:
+        counts = (one_hot * counted[..., None]).sum((0, 1))  # [K, C]
+        class_weights = (budget_per_class / counts.clamp(min=1)).clamp(max=1.0)
+        weights = (one_hot * class_weights).sum(-1) * counted
+    else:
+        weights = counted
+    classes = torch.arange(num_classes, device=labels.device).float()
+    diff = labels[..., None].float() - classes
+    kernel = 1.0 / (1.0 + diff.abs() + diff.clamp(min=0.0)).square()
+    soft = kernel / kernel.sum(-1, keepdim=True)
+    ce = -(soft * rank_logits.float().log_softmax(-1)).sum(-1)
+    miss = (labels - predicted).float()
+    distance = 1.0 + miss.abs() + miss.clamp(min=0.0)
+    total = weights.sum()
+    return torch.where(total > 0, (ce * distance * weights).sum() / total.clamp(min=1e-12), total)
+
+
 @dataclass
 class BlockTerms:
     """Per (batch, position, slot) terms of one block; see `block_terms`."""

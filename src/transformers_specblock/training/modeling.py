@@ -4,7 +4,8 @@ Loss (every part has a switch in `SpecBlockTrainingArguments`), per block b (blo
 follow-up blocks from slot ``M-1`` of the previous block with ``M ~ U{1..K}`` drawn once per block per step) and
 slot k, at drafter position i (features f_i, token x_{i+1+off_b}, slot k predicts x_{i+2+off_b+k}, whose target
 distribution p is the target's softmax at position j = i+1+off_b+k restricted to the draft vocabulary and
-renormalised):
+renormalised). A follow-up block sits at rotary positions i+1+off_b+k, or at block 1's i+1+k when the drafter's
+``followup_positions`` is "block1" (the reference's rule, which its checkpoints load with):
 
 * ``ce[b,i,k] = -sum_v p(v) log q(v)`` with q the drafter's softmax for that slot (hard CE on the target's argmax with
   ``--no_soft_labels``).
@@ -16,6 +17,9 @@ renormalised):
   every slot by block b's slot-0 count ``sum_i draft_mask[b,i,0]`` instead (not the reference formula).
 * Rank head: see `rank_head_loss`; ``rank_mask = assistant(x_{j+1}) & prefix`` (the first wrong slot of a chain
   included), labels from the 1-based rank of the target's argmax in the slot's draft distribution.
+* ``--rank_loss_form reference``: ``L_rank`` is the mean over blocks of `reference_rank_loss` (the SpecBlock reference's
+  rank loss; it sums draft and rank terms over blocks where this averages both, a factor that only gradient
+  clipping sees).
 * ``L = L_draft + rank_loss_weight * L_rank`` (the rank weight is 0 before ``rank_start_step``).
 
 The sums over i run over the whole batch. Under DDP the normalisers (counted slots per block and slot, rank class
@@ -45,7 +49,15 @@ from transformers.utils import ModelOutput
 from ..models.specblock.configuration_specblock import SpecBlockConfig
 from ..models.specblock.modeling_specblock import SpecBlockDraftModel, block_causal_mask
 from .arguments import SpecBlockLossConfig
-from .losses import BlockTerms, _all_reduce, block_terms, draft_loss, followup_training_mask, rank_head_loss
+from .losses import (
+    BlockTerms,
+    _all_reduce,
+    block_terms,
+    draft_loss,
+    followup_training_mask,
+    rank_head_loss,
+    reference_rank_loss,
+)
 
 
 @dataclass
@@ -106,12 +118,14 @@ class SpecBlockDraftModelForTraining(SpecBlockDraftModel):
         target_index = self._target_draft_index(target_argmax)
         target_probs = target_logits.float().softmax(-1)
         positions = torch.arange(1, num_pos + 1, device=device).expand(batch, -1)
+        block1_positions = self.config.followup_positions == "block1"  # trained where it drafts them
         bounds = self.config.rank_bucket_upper_bounds
+        reference_rank = cfg.rank_loss_form == "reference"  # its chain follows the class predictions: every row
 
         def terms_of(hidden: torch.Tensor, offset: int, metrics: bool = False) -> BlockTerms:
             return block_terms(
                 self.heads, hidden, target_probs, target_index, counted_tokens, real, offset, bounds,
-                cfg.soft_labels, cfg.valid_prefix_mask, cfg.rank_chain_mask, metrics,
+                cfg.soft_labels, cfg.valid_prefix_mask, cfg.rank_chain_mask and not reference_rank, metrics,
             )  # fmt: skip
 
         cache = DynamicCache()
@@ -134,7 +148,7 @@ class SpecBlockDraftModelForTraining(SpecBlockDraftModel):
             hidden = self.draft_blocks(
                 hidden[:, :, m - 1],
                 input_ids[:, token_idx],
-                positions + offset,
+                positions if block1_positions else positions + offset,
                 followup_training_mask(num_pos, k_slots, list(followup_offsets[:b]), device)[None],
                 cache,
                 compute_heads=False,
@@ -167,11 +181,18 @@ class SpecBlockDraftModelForTraining(SpecBlockDraftModel):
         rank_logits = torch.cat([t.rank_logits for t in terms], dim=1)
         labels = torch.cat([t.labels for t in terms], dim=1)
         rank_mask = torch.cat(rank_masks, dim=1)
-        rank_sum, rank_weight = rank_head_loss(
-            rank_logits, labels, rank_mask, class_counts,
-            cfg.rank_class_weight_power, cfg.rank_label_smoothing, cfg.rank_distance_weight, cfg.rank_under_penalty,
-        )  # fmt: skip
-        loss_rank = rank_sum * world / rank_weight.clamp(min=1e-12)
+        if reference_rank:  # per process and per block (DDP averages the gradients, as the reference's FSDP)
+            valid = [t.counted & t.in_vocab for t in terms]
+            loss_rank = sum(
+                reference_rank_loss(t.rank_logits, t.labels, v, v[..., 0], cfg.rank_budget_per_class)
+                for t, v in zip(terms, valid)
+            ) / len(terms)
+        else:
+            rank_sum, rank_weight = rank_head_loss(
+                rank_logits, labels, rank_mask, class_counts,
+                cfg.rank_class_weight_power, cfg.rank_label_smoothing, cfg.rank_distance_weight, cfg.rank_under_penalty,
+            )  # fmt: skip
+            loss_rank = rank_sum * world / rank_weight.clamp(min=1e-12)
         loss = loss_draft
         rank_weight = cfg.rank_weight(training_step)
         if rank_weight:
