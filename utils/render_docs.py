@@ -160,7 +160,7 @@ SECTIONS = {
     "docs/reference/commands.md": {"commands": command_reference},
 }
 FIGURES = {"docs/figures/tree.svg": tree_svg}
-BLOCK = re.compile(r"(<!-- BEGIN generated: (?P<name>[\w-]+) -->\n).*?(\n<!-- END generated -->)", re.S)
+BLOCK = re.compile(r"(<!-- BEGIN generated: (?P<name>[\w-]+) -->\n)(?:(?!<!-- BEGIN).)*?(<!-- END generated -->)", re.S)
 
 
 def render(text: str, sections: dict) -> str:
@@ -168,7 +168,7 @@ def render(text: str, sections: dict) -> str:
         name = match.group("name")
         if name not in sections:
             raise KeyError(f"no renderer for the generated block {name!r}")
-        return match.group(1) + sections[name]() + match.group(3)
+        return match.group(1) + sections[name]().rstrip("\n") + "\n" + match.group(3)
 
     return BLOCK.sub(replace, text)
 
