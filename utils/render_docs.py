@@ -55,19 +55,23 @@ def gpu_inference_runs() -> list[str]:
     return runs
 
 
-def glance() -> str:
-    """Method x prompt set, speed-up over plain `generate` and tau, batch 1, one column per dtype and prompt set."""
+def glance(root: str = "docs/results") -> str:
+    """Method x prompt set, speed-up over plain `generate` and tau, batch 1, one column per dtype and prompt set;
+    ``root`` is docs/results as seen from the page (README.md links folders, the site links the files)."""
     columns, notes = [], []
     for dtype, (folder, date) in SINGLE_STREAM.items():
+        links = []
         for prompts, title in PROMPT_SETS.items():
             data = results_json(folder, dtype, prompts, 1)
             columns.append((f"{title}, {dtype}", data["methods"]))
+            links.append(f"[{title}]({root}/{folder}/{dtype}-{prompts}-b1/results.json)")
         settings = data["settings"]
-        notes.append(f"{dtype}: [`{folder}`](docs/results/{folder}/) ({date})")
+        where = f"[`{folder}`]({root}/{folder}/)" if root.startswith("docs/") else f"`{folder}` ({', '.join(links)})"
+        notes.append(f"{dtype}: {where}, {date}")
     header = "| method | " + " | ".join(name for name, _ in columns) + " |"
     lines = [header, "|---" * (len(columns) + 1) + "|"]
     for key, name in METHODS.items():
-        if all(key in methods for _, methods in columns) or key != "plain_control":
+        if key != "plain_control" or all(key in methods for _, methods in columns):
             lines.append(f"| {name} | " + " | ".join(cell(m[key]) if key in m else "-" for _, m in columns) + " |")
     gpu = gpu_inference_runs()
     return "\n".join([
@@ -79,6 +83,11 @@ def glance() -> str:
         "",
         ("GPU: " + ", ".join(gpu)) if gpu else "GPU: not measured yet.",
     ])  # fmt: skip
+
+
+def result_files(folder: str, names: list[str]) -> str:
+    """Links to the results files of a run's cells."""
+    return ", ".join(f"[{name}](results/{folder}/{name}/results.json)" for name in names)
 
 
 def batches() -> str:
@@ -94,7 +103,7 @@ def batches() -> str:
     lines.append(
         f"{settings['num_prompts']} prompts x {settings['max_new_tokens']} new tokens per cell, {settings['repeats']} "
         f"rounds at B > 1 (the methods' order rotated), {settings['hardware']}. Results: "
-        f"[`{folder}`](results/{folder}/)."
+        f"`{folder}` ({result_files(folder, [f'{dtype}-{p}-b{b}' for p in PROMPT_SETS for b in (1, 4, 16)])})."
     )
     return "\n".join(lines)
 
@@ -109,7 +118,8 @@ def exactness() -> str:
             method = data["methods"][key]
             gap = "-" if method["max_fp32_gap"] is None else f"{method['max_fp32_gap']:.3f}"
             lines.append(f"| {title} | {name} | {method['left_greedy']} of {total} | {gap} |")
-    return "\n".join(lines + ["", f"bfloat16, batch 1, {date}: [`{folder}`](results/{folder}/)."])
+    files = result_files(folder, [f"bfloat16-{prompts}-b1" for prompts in PROMPT_SETS])
+    return "\n".join(lines + ["", f"bfloat16, batch 1, {date}: `{folder}` ({files})."])
 
 
 def target_cost() -> str:
@@ -128,7 +138,7 @@ def embedded_table(folder: str, date: str) -> str:
     """The first table of a results.md that its own script wrote (with the lines above it)."""
     text = (RESULTS / folder / "results.md").read_text().strip()
     first = text.split("\n\n| stream | drafter")[0]  # the adaptation report's first table only
-    return f"{first}\n\n{date}: [`{folder}`](results/{folder}/)."
+    return f"{first}\n\n{date}: [`{folder}/results.json`](results/{folder}/results.json)."
 
 
 def gpu_training() -> str:
@@ -141,15 +151,15 @@ def gpu_training() -> str:
         f"| drafter | GPU | training time | steps | tokens | tokens/s | held-out accepted length |\n|---|---|---|---|---|---|---|\n"
         f"| DFlash for SmolLM2-135M-Instruct | one H200 | {run['train_seconds'] / 60:.1f} min | {run['train_steps']} | "
         f"{run['train_tokens'] / 1e6:.1f}M | {tokens_per_s / 1e3:.0f}k | {run['eval_accept_length']:.2f} |\n\n"
-        f"{stack}; {date}: [`{folder}`](results/{folder}/)."
+        f"{stack}; {date}: [`{folder}/dflash-all_results.json`](results/{folder}/dflash-all_results.json)."
     )  # fmt: skip
 
 
 SECTIONS = {
     "README.md": {"glance": glance},
-    "docs/index.md": {"glance": lambda: glance().replace("](docs/", "](")},
+    "docs/index.md": {"glance": lambda: glance("results")},
     "docs/benchmarks.md": {
-        "glance": lambda: glance().replace("](docs/", "]("),
+        "glance": lambda: glance("results"),
         "batches": batches,
         "exactness": exactness,
         "target-cost": target_cost,
@@ -164,6 +174,8 @@ BLOCK = re.compile(r"(<!-- BEGIN generated: (?P<name>[\w-]+) -->\n)(?:(?!<!-- BE
 
 
 def render(text: str, sections: dict) -> str:
+    if text.count("<!-- BEGIN generated:") != len(BLOCK.findall(text)):
+        raise ValueError("a <!-- BEGIN generated: NAME --> marker without its <!-- END generated -->")
     def replace(match: re.Match) -> str:
         name = match.group("name")
         if name not in sections:
