@@ -6,7 +6,7 @@ compiles) and, of that, the matrix products by shape. `torch.compile` (inductor 
 around the matrix products but calls the same GEMM kernels for them, so if it removed every other op of the
 forwards, drafting would take (drafting - forwards + matrix products): `compile_bound` is eager over that.
 
-    python examples/drafting_profile.py --drafter eagle3 --dtype float32 --output out/drafting-profile-eagle3.json
+    python examples/experiments/drafting_profile.py --drafter eagle3 --dtype float32 --output out/drafting-profile-eagle3.json
 """
 
 from __future__ import annotations

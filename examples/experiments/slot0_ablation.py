@@ -21,7 +21,7 @@ across variants even when the machine is shared). Variants (``--variants`` picks
 * ``eagle3``: the EAGLE-3 drafter, same data (the reference point).
 * ``combined``: identity + slot0norm + cosine.
 
-Run: ``python examples/slot0_ablation.py --output_dir out/ablation`` (``--parallel 2`` runs two variants at once,
+Run: ``python examples/experiments/slot0_ablation.py --output_dir out/ablation`` (``--parallel 2`` runs two variants at once,
 each on one thread); it writes ``results.json``, ``results.md`` and ``slot0_ablation.png`` there.
 """
 

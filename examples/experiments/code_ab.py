@@ -5,9 +5,9 @@ per prompt, plain and every method interleaved, best of 2, giving speed-ups over
 several processes (old, new, old, new, ...) so the machine's bursts fall on both, then `--summarise` the outputs:
 the median per prompt across a version's rounds, and the median of the paired per-prompt ratios new / old.
 
-    python examples/code_ab.py --src /tmp/old/src --output out/ab/old-1.json --dtype bfloat16
-    python examples/code_ab.py --src src --output out/ab/new-1.json --dtype bfloat16
-    python examples/code_ab.py --summarise out/ab/old-*.json --against out/ab/new-*.json --output ab.json
+    python examples/experiments/code_ab.py --src /tmp/old/src --output out/ab/old-1.json --dtype bfloat16
+    python examples/experiments/code_ab.py --src src --output out/ab/new-1.json --dtype bfloat16
+    python examples/experiments/code_ab.py --summarise out/ab/old-*.json --against out/ab/new-*.json --output ab.json
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """aten ops (kernel launches) and host syncs per decoding iteration, per method, on SmolLM2-135M-Instruct with the
 shipped drafters (greedy, MT-Bench prompts): exact counts, the same on any CPU (`generation.op_counter`).
 
-    python examples/op_counts.py --num_prompts 2 --max_new_tokens 48 --output docs/results/op-counts/counts.json
+    python examples/experiments/op_counts.py --num_prompts 2 --max_new_tokens 48 --output docs/results/op-counts/counts.json
 
 Methods: plain, the shipped settings at budget 8 (lookup_tree at 16), and SpecBlock K = 4 x 2 blocks against
 EAGLE-3 `tree_depth=8`, both at budget 32 (the paper's claim in launch terms: SpecBlock's drafting ops / EAGLE-3's).

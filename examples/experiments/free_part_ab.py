@@ -3,7 +3,7 @@ what their free candidates alone would have committed, `AutoBudget.observe_free_
 as shipped (auto + prompt lookup, n-gram cache, suffix cache), against plain `generate`, interleaved per batch in a
 rotating order, on the packaged SmolLM2-135M-Instruct.
 
-    python examples/free_part_ab.py --dataset mt_bench --num_prompts 16 --batch_size 1 --output out/free-part-ab/mt_bench-b1.json
+    python examples/experiments/free_part_ab.py --dataset mt_bench --num_prompts 16 --batch_size 1 --output out/free-part-ab/mt_bench-b1.json
 
 "without" is the same drafter class and weights in a second object whose chooser skips the free-part samples (the
 code before the change); each object keeps its own chooser across the batches, as a served drafter does, and

@@ -1,7 +1,7 @@
 """Two SpecBlock drafters in one benchmark run, interleaved per prompt against plain `generate`: e.g. the shipped
 two-layer drafter and one with a single decoder layer trained with the same recipe, data and steps.
 
-    python examples/specblock_layers_ab.py --other out/specblock-1l --dtype bfloat16 --dataset mt_bench \
+    python examples/experiments/specblock_layers_ab.py --other out/specblock-1l --dtype bfloat16 --dataset mt_bench \
         --output_dir out/specblock-layers-ab/mt_bench
 
 Each drafter runs twice: its trees alone at budget 8, and as the shipped drafter runs ("auto" with prompt lookup,

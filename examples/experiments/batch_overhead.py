@@ -2,7 +2,7 @@
 `tree_budget="auto"`, the single candidate 0 and the free candidates off: every step verifies the root alone, as a
 plain step does) against plain batched `generate`, at several batch sizes, on the packaged SmolLM2-135M-Instruct.
 
-    python examples/batch_overhead.py --batch_sizes 1,4,16 --repeats 9 --dtype bfloat16 --output docs/results/batch-overhead
+    python examples/experiments/batch_overhead.py --batch_sizes 1,4,16 --repeats 9 --dtype bfloat16 --output docs/results/batch-overhead
 
 With `--drafting_ladder` the drafter keeps a candidate that drafts but never chooses it: the cost of plain steps
 in a loop that queues the drafter's target features (what a drafter pays while "auto" decodes plainly).

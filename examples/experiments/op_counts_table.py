@@ -1,6 +1,6 @@
-"""Before -> after table of `examples/op_counts.py` results (markdown), for docs/benchmarks.md.
+"""Before -> after table of `examples/experiments/op_counts.py` results (markdown), for docs/benchmarks.md.
 
-    python examples/op_counts_table.py --before docs/results/op-counts/batched-loop.json \
+    python examples/experiments/op_counts_table.py --before docs/results/op-counts/batched-loop.json \
         docs/results/op-counts/lookup-host-text.json --after docs/results/op-counts/host-trees.json
 
 A method found in several `--before` files takes its numbers from the last one that has it.

@@ -2,7 +2,7 @@
 that see only themselves), so a forward verifies B x (1 + longest) tokens where the rows' own trees hold
 sum(1 + nodes). Counted exactly for the lookup tree at fixed budgets on the packaged SmolLM2-135M-Instruct.
 
-    python examples/padding_share.py --dataset humaneval --num_prompts 16 --batch_size 4 --budgets 4,8,16
+    python examples/experiments/padding_share.py --dataset humaneval --num_prompts 16 --batch_size 4 --budgets 4,8,16
 
 A share near 1 means unpadded (ragged) verification could save little; the rest of a tree step's cost is the
 rows' own nodes.

@@ -2,7 +2,7 @@
 before `auto_budget_warmup_cost`) against its warm-up at the largest tree that costs at most two plain steps (the
 default), for the shipped drafters as shipped, on the packaged SmolLM2-135M-Instruct.
 
-    python examples/first_call_ab.py --dtype float32 --num_prompts 6 --output out/first-call/float32.json
+    python examples/experiments/first_call_ab.py --dtype float32 --num_prompts 6 --output out/first-call/float32.json
 
 Every prompt gets fresh drafter objects for both arms (a first call: the chooser's warm-up trees are in it), timed
 interleaved with plain `generate` in a rotating order; the target's cost curve is measured once before any timing

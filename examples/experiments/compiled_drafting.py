@@ -2,7 +2,7 @@
 drafter (greedy, MT-Bench prompts; eager and compiled interleaved per prompt, best of two runs each), the compile
 and warm-up time apart, and whether the outputs are identical.
 
-    python examples/compiled_drafting.py --drafter eagle3 --dtype float32 --num_prompts 2 --output out/compile.json
+    python examples/experiments/compiled_drafting.py --drafter eagle3 --dtype float32 --num_prompts 2 --output out/compile.json
 """
 
 from __future__ import annotations
