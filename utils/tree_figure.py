@@ -17,8 +17,9 @@ NODES = [
     (" city", 6, "rejected"),
 ]
 ROOT_TEXT = "The capital of France is"
+DOT = "\u00b7"  # a token's leading space, made visible
 COLOURS = {"accepted": "#2e9d55", "rejected": "#9a9a9a", "target": "#2f6fd6", "root": "#444444"}
-BOX_W, BOX_H, COL_W, ROW_H, LEFT, TOP = 86, 28, 130, 40, 230, 30
+BOX_W, BOX_H, COL_W, ROW_H, LEFT, TOP = 86, 28, 130, 40, 290, 30
 
 
 def _layout() -> tuple[list[int], list[float]]:
@@ -43,6 +44,7 @@ def _layout() -> tuple[list[int], list[float]]:
 
 
 def _box(x: float, y: float, text: str, state: str, width: int = BOX_W) -> str:
+    """A token (leading spaces shown as a middle dot) in a box coloured by its state."""
     colour = COLOURS[state]
     fill = "#ffffff" if state == "rejected" else colour
     ink = "#555555" if state == "rejected" else "#ffffff"
@@ -51,7 +53,7 @@ def _box(x: float, y: float, text: str, state: str, width: int = BOX_W) -> str:
         f'<rect x="{x:.0f}" y="{y - BOX_H / 2:.0f}" width="{width}" height="{BOX_H}" rx="6" fill="{fill}" '
         f'stroke="{colour}" stroke-width="2"{dash}/>\n'
         f'<text x="{x + width / 2:.0f}" y="{y + 5:.0f}" text-anchor="middle" fill="{ink}">'
-        f"{escape(repr(text)[1:-1].replace(' ', '&#183;'))}</text>"
+        f"{escape(text if state == 'root' else text.replace(' ', DOT))}</text>"
     )
 
 
