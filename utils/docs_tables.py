@@ -34,7 +34,10 @@ def argument_table(cls: type, skip: type | None = None) -> str:
     for field in dataclasses.fields(cls):
         if field.name in inherited:
             continue
-        names = ", ".join(f"`--{name.lstrip('-')}`" for name in [field.name, *field.metadata.get("aliases", [])])
+        flags = [field.name, *field.metadata.get("aliases", [])]
+        if field.default is True:  # HfArgumentParser: --name turns it on (already on), --no_name off
+            flags.append(f"no_{field.name}")
+        names = ", ".join(f"`--{flag.lstrip('-')}`" for flag in flags)
         rows.append(f"| {names} | {_default(field)} | {_escape(field.metadata.get('help', ''))} |")
     return "\n".join(rows)
 
