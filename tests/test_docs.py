@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -68,3 +69,12 @@ def test_site_builds_strict(tmp_path):
         cwd=ROOT, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_readme_cpu_quickstart_runs_as_written():
+    """The README's first code block (the packaged SmolLM2 and the shipped drafter), run as written."""
+    code = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S)[0]
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert float(result.stdout.strip().splitlines()[-1]) >= 1.0  # the printed tau
