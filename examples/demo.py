@@ -112,7 +112,8 @@ def run(args: argparse.Namespace) -> dict:
     warm_up = tokenizer("Hello, how are you today?", return_tensors="pt")["input_ids"]  # not one of the prompts
     for assistant in assistants.values():
         timed_generate(target, warm_up, assistant, 16)
-    print(f"warm-up (times the target's cost per tree size for tree_budget=\"auto\"): {time.perf_counter() - start:.0f} s")
+    seconds = time.perf_counter() - start
+    print(f'warm-up (times the target\'s cost per tree size for tree_budget="auto"): {seconds:.0f} s')
     rows = []
     for kind, input_ids in prompts:
         plain_tokens = None
@@ -126,7 +127,8 @@ def run(args: argparse.Namespace) -> dict:
                 "identical": identical(reference, input_ids, plain_tokens, tokens),
             })  # fmt: skip
         plain_row = next(row for row in rows if row["prompt"] == kind and row["method"] == "plain")
-        plain_row["seconds"] = min(plain_row["seconds"], timed_generate(target, input_ids, None, args.max_new_tokens)[1])
+        again = timed_generate(target, input_ids, None, args.max_new_tokens)[1]
+        plain_row["seconds"] = min(plain_row["seconds"], again)
         print(f"  {kind}: done (plain timed before and after the others, the faster counts)")
     for row in rows:
         row["tokens_per_s"] = row["new_tokens"] / row["seconds"]
@@ -168,7 +170,8 @@ def plot(result: dict, path: Path) -> Path | None:
     fig, ax = plt.subplots(figsize=(7, 3.5))
     width = 0.8 / len(methods)
     for i, method in enumerate(methods):
-        values = [next(r["speedup"] for r in result["rows"] if r["prompt"] == k and r["method"] == method) for k in kinds]
+        speedup = {r["prompt"]: r["speedup"] for r in result["rows"] if r["method"] == method}
+        values = [speedup[k] for k in kinds]
         ax.bar([k + i * width for k in range(len(kinds))], values, width, label=method)
     ax.axhline(1.0, color="black", linewidth=0.8)
     ax.set_xticks([k + width * (len(methods) - 1) / 2 for k in range(len(kinds))], kinds)
