@@ -15,8 +15,9 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
+from cost_figure import cost_svg  # noqa: E402
 from docs_tables import command_reference  # noqa: E402
-from tree_figure import tree_svg  # noqa: E402
+from tree_figure import mask_svg, tree_svg  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "docs" / "results"
@@ -169,7 +170,11 @@ SECTIONS = {
     },
     "docs/reference/commands.md": {"commands": command_reference},
 }
-FIGURES = {"docs/figures/tree.svg": tree_svg}
+FIGURES = {
+    "docs/figures/tree.svg": tree_svg,
+    "docs/figures/tree-mask.svg": mask_svg,
+    "docs/figures/target-cost.svg": lambda: cost_svg(RESULTS / TARGET_COST[0]),
+}
 BLOCK = re.compile(r"(<!-- BEGIN generated: (?P<name>[\w-]+) -->\n)(?:(?!<!-- BEGIN).)*?(<!-- END generated -->)", re.S)
 
 

@@ -90,3 +90,39 @@ def tree_svg() -> str:
         f"attention mask: {committed} tokens committed</text>"
     )
     return "\n".join(parts + ["</svg>"]) + "\n"
+
+
+def mask_svg() -> str:
+    """docs/figures/tree-mask.svg: the tree attention mask of the same tree (who sees whom in the verifying forward)."""
+    drafted = [i for i, (_, _, state) in enumerate(NODES) if state != "target"]
+    row_of = {old: row + 1 for row, old in enumerate(drafted)}  # row 0: the last text token, the tree's root
+    tokens = [ROOT_TEXT.split()[-1]] + [NODES[i][0] for i in drafted]
+    parents = [None] + [0 if NODES[i][1] is None else row_of[NODES[i][1]] for i in drafted]
+    cell, left, top = 26, 110, 110
+    n = len(tokens)
+    width, height = max(left + (n + 1) * cell + 20, 600), top + n * cell + 50
+    parts = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" viewBox="0 0 {width} {height}" '
+        'font-family="DejaVu Sans Mono, monospace" font-size="12">',
+        '<rect width="100%" height="100%" fill="#ffffff"/>',
+    ]
+    labels = ["text"] + [t.replace(" ", DOT) for t in tokens]  # columns: the text before the root, then the rows
+    for j, label in enumerate(labels):
+        x = left + j * cell + cell / 2
+        parts.append(f'<text x="{x:.0f}" y="{top - 8}" transform="rotate(-60 {x:.0f} {top - 8})" '
+                     f'fill="#333333">{escape(label)}</text>')  # fmt: skip
+    for i, token in enumerate(tokens):
+        y = top + i * cell
+        parts.append(f'<text x="{left - 8}" y="{y + cell / 2 + 4:.0f}" text-anchor="end" fill="#333333">'
+                     f"{escape(token.replace(' ', DOT))}</text>")  # fmt: skip
+        ancestors, node = {i}, i
+        while parents[node] is not None:
+            node = parents[node]
+            ancestors.add(node)
+        for j in range(n + 1):
+            visible = j == 0 or (j - 1) in ancestors
+            fill = COLOURS["accepted"] if visible else "#f1f1f1"
+            parts.append(f'<rect x="{left + j * cell}" y="{y}" width="{cell - 2}" height="{cell - 2}" fill="{fill}"/>')
+    parts.append(f'<text x="10" y="{height - 15}" fill="#333333">row: a token of the verified forward; green: '
+                 "the positions it attends to</text>")  # fmt: skip
+    return "\n".join(parts + ["</svg>"]) + "\n"
