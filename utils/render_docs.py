@@ -142,6 +142,15 @@ def embedded_table(folder: str, date: str) -> str:
     return f"{first}\n\n{date}: [`{folder}/results.json`](results/{folder}/results.json)."
 
 
+def adaptation() -> str:
+    folder, date = ADAPTATION
+    settings = load(f"{folder}/results.json")["settings"]
+    return embedded_table(folder, date) + (
+        f" {settings['num_code']} code, {settings['num_chat']} chat and {settings['num_sharegpt']} ShareGPT prompts, "
+        f"{settings['max_new_tokens']} new tokens per call, tree budget {settings['tree_budget']}, float32."
+    )
+
+
 def gpu_training() -> str:
     folder, date = GPU_TRAINING
     run = load(f"{folder}/dflash-all_results.json")
@@ -165,7 +174,7 @@ SECTIONS = {
         "exactness": exactness,
         "target-cost": target_cost,
         "suffix-streams": lambda: embedded_table(*SUFFIX_STREAMS),
-        "adaptation": lambda: embedded_table(*ADAPTATION),
+        "adaptation": adaptation,
         "gpu-training": gpu_training,
     },
     "docs/reference/commands.md": {"commands": command_reference},
