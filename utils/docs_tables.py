@@ -15,6 +15,9 @@ from transformers_specblock.commands.cli import BenchArguments
 from transformers_specblock.commands.regenerate import RegenerateArguments
 from transformers_specblock.training import DataArguments, ModelArguments, SpecBlockTrainingArguments
 
+CARD = "python -m transformers_specblock.commands.card"
+
+
 def _default(field: dataclasses.Field) -> str:
     if field.default is not dataclasses.MISSING:
         return f"`{field.default!r}`"
@@ -73,5 +76,5 @@ def command_reference() -> str:
         "The target's own answers to training prompts (self-distillation data), batched and resumable.",
         argument_table(RegenerateArguments),
         "## `specblock-convert`", parser_help("specblock-convert", convert.main),
-        "## `python -m transformers_specblock.commands.card`", parser_help("python -m transformers_specblock.commands.card", card.main),
+        f"## `{CARD}`", parser_help(CARD, card.main),
     ])  # fmt: skip

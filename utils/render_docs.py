@@ -111,7 +111,8 @@ def batches() -> str:
 
 def exactness() -> str:
     folder, date = SINGLE_STREAM["bfloat16"]
-    lines = ["| prompts | method | outputs leaving plain greedy | largest float32 logit gap there |", "|---|---|---|---|"]
+    lines = ["| prompts | method | outputs leaving plain greedy | largest float32 logit gap there |",
+             "|---|---|---|---|"]  # fmt: skip
     for prompts, title in PROMPT_SETS.items():
         data = results_json(folder, "bfloat16", prompts, 1)
         total = data["settings"]["num_prompts"]
@@ -158,7 +159,8 @@ def gpu_training() -> str:
     stack = log.split(": ", 1)[1]
     tokens_per_s = run["train_tokens"] / run["train_seconds"]
     return (
-        f"| drafter | GPU | training time | steps | tokens | tokens/s | held-out accepted length |\n|---|---|---|---|---|---|---|\n"
+        "| drafter | GPU | training time | steps | tokens | tokens/s | held-out accepted length |\n"
+        "|---|---|---|---|---|---|---|\n"
         f"| DFlash for SmolLM2-135M-Instruct | one H200 | {run['train_seconds'] / 60:.1f} min | {run['train_steps']} | "
         f"{run['train_tokens'] / 1e6:.1f}M | {tokens_per_s / 1e3:.0f}k | {run['eval_accept_length']:.2f} |\n\n"
         f"{stack}; {date}: [`{folder}/dflash-all_results.json`](results/{folder}/dflash-all_results.json)."
