@@ -27,14 +27,20 @@ DRAFTERS = {"SpecBlock": "specblock-smollm2-135m-instruct", "EAGLE-3": "eagle3-s
 METHODS = ("plain", "lookup tree", *DRAFTERS)
 
 
-def fast_dtype(device: str) -> tuple[str, str]:
-    """The dtype this host decodes fastest in, and why."""
+def cpu_flags() -> str:
+    """The CPU's feature flags (/proc/cpuinfo; empty where there is none)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            return next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return ""
+
+
+def fast_dtype(device: str, flags: str | None = None) -> tuple[str, str]:
+    """The dtype this host decodes fastest in, and why (``flags``: the CPU's, read from /proc/cpuinfo by default)."""
     if device.startswith("cuda"):
         return "bfloat16", "a GPU"
-    try:
-        flags = next((line for line in open("/proc/cpuinfo", encoding="utf-8") if line.startswith("flags")), "")
-    except OSError:
-        flags = ""
+    flags = cpu_flags() if flags is None else flags
     native = sorted(set(flags.split()) & {"avx512_bf16", "amx_bf16"})
     if native:
         return "bfloat16", f"this CPU multiplies bfloat16 natively: {', '.join(native)}"

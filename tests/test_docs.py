@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from conftest import load_example
+
 ROOT = Path(__file__).resolve().parents[1]
 NOT_BUILT = ("lab-notes/", "results/")  # mkdocs.yml's exclude_docs: history and raw results
 
@@ -78,3 +80,11 @@ def test_readme_cpu_quickstart_runs_as_written():
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
     assert float(result.stdout.strip().splitlines()[-1]) >= 1.0  # the printed tau
+
+
+def test_demo_picks_the_hosts_fast_dtype():
+    fast_dtype = load_example("demo").fast_dtype
+    assert fast_dtype("cpu", "flags : fpu avx2 avx512f avx512_bf16")[0] == "bfloat16"  # AMD Zen 4 and later
+    assert fast_dtype("cpu", "flags : fpu avx2 avx512f amx_bf16 amx_tile")[0] == "bfloat16"  # Xeon with AMX
+    assert fast_dtype("cpu", "flags : fpu avx2 avx512f")[0] == "float32"  # no native bfloat16 matmul
+    assert fast_dtype("cuda")[0] == "bfloat16"
