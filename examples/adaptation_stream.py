@@ -1,4 +1,4 @@
-"""Online adaptation on a stream of prompts (`online_adaptation`, issue 13): the shipped chat-trained drafters serve
+"""Online adaptation on a stream of prompts (`online_adaptation`): the shipped chat-trained drafters serve
 code, then chat, a shuffled mix of both, and held-out ShareGPT (in domain), under each policy.
 
     OMP_NUM_THREADS=1 python examples/adaptation_stream.py --output_dir out/adaptation \

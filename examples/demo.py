@@ -1,84 +1,211 @@
 """Demo: tree speculative decoding on the packaged SmolLM2-135M-Instruct, inside `generate`, next to plain decoding.
 
-Speculation is on by default, in the configuration measured fastest on this CPU (docs/benchmarks.md): the budget
-"auto" (the tree size is chosen per step from the target's measured cost, no tree at all where none pays) with the
-free candidates (prompt lookup, n-gram cache and the suffix cache of everything this drafter served). Two drafters
-are shown: the weightless `LookupTreeModel` and the SpecBlock drafter shipped inside the package (its saved config
-has the same settings; --drafter FOLDER for another, --drafter none for a fresh untrained one). Every output is
-checked against plain greedy `generate`, and the speed-up printed is the measured one, slower or not.
+Runs on this host's fast dtype (bfloat16 where the CPU multiplies it natively - AVX512-BF16 or AMX - or on a GPU,
+else float32; `--dtype` overrides), on three kinds of prompt: code to complete, a chat question, and a second turn
+that quotes the first answer. Four ways to decode each: plain `generate`, the weightless lookup tree, the shipped
+SpecBlock drafter and the shipped EAGLE-3 drafter, both as shipped (`tree_budget="auto"` with the free candidates).
+Prints tokens/s, speed-up over plain, tau (tokens committed per target forward) and whether the output is plain
+greedy's, says where speculation does not pay on this host, and saves the table (JSON) and a figure.
+
+    python examples/demo.py                       # about 3 minutes on 2 CPU cores
+    python examples/demo.py --dtype float32 --max_new_tokens 64 --output_dir out/demo-fp32
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import time
 from pathlib import Path
 
 import torch
-from transformers import TextStreamer
 
-from transformers_specblock import LookupTreeModel, SpecBlockDraftModel, load_packaged_model, load_prompts
-from transformers_specblock.hub import resolve_drafter_path
+from transformers_specblock import Eagle3DraftModel, LookupTreeModel, SpecBlockDraftModel, load_model, load_prompts
+from transformers_specblock.commands.exactness import first_divergence, float32_copy, is_16bit
 
-SHIPPED = "specblock-smollm2-135m-instruct"  # a shipped drafter's name (see transformers_specblock.hub.shipped)
+DRAFTERS = {"SpecBlock": "specblock-smollm2-135m-instruct", "EAGLE-3": "eagle3-smollm2-135m-instruct"}
+METHODS = ("plain", "lookup tree", *DRAFTERS)
+
+
+def cpu_flags() -> str:
+    """The CPU's feature flags (/proc/cpuinfo; empty where there is none)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            return next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return ""
+
+
+def fast_dtype(device: str, flags: str | None = None) -> tuple[str, str]:
+    """The dtype this host decodes fastest in, and why (``flags``: the CPU's, read from /proc/cpuinfo by default)."""
+    if device.startswith("cuda"):
+        return "bfloat16", "a GPU"
+    flags = cpu_flags() if flags is None else flags
+    native = sorted(set(flags.split()) & {"avx512_bf16", "amx_bf16"})
+    if native:
+        return "bfloat16", f"this CPU multiplies bfloat16 natively: {', '.join(native)}"
+    return "float32", "this CPU has no native bfloat16 matmul (no AVX512-BF16 or AMX)"
+
+
+def build_prompts(tokenizer, plain_answer) -> list[tuple[str, torch.Tensor]]:
+    """(kind, input_ids) for the three prompt kinds; the second turn quotes plain greedy's answer to the first."""
+    code = load_prompts("humaneval", num_prompts=1)[0]["prompt"]  # a function to complete, as raw text
+    question = next(row["prompt"] for row in load_prompts("mt_bench") if row["category"] == "stem")
+    chat = [{"role": "user", "content": question}]
+
+    def templated(messages: list[dict]) -> torch.Tensor:
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
+                                             return_dict=True)["input_ids"]  # fmt: skip
+
+    first = templated(chat)
+    answer = plain_answer(first)
+    quote = answer.strip().split("\n")[0][:300]
+    second = chat + [
+        {"role": "assistant", "content": answer},
+        {"role": "user", "content": f'You wrote: "{quote}" Rewrite your whole answer for a ten-year-old.'},
+    ]
+    return [
+        ("code", tokenizer(code, return_tensors="pt")["input_ids"]),
+        ("chat", first),
+        ("second turn", templated(second)),
+    ]
+
+
+def timed_generate(target, input_ids: torch.Tensor, assistant, max_new_tokens: int) -> tuple[list[int], float]:
+    """New tokens of one greedy call and its wall time (synchronised on a GPU)."""
+    input_ids = input_ids.to(target.device)
+    if target.device.type == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    out = target.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), assistant_model=assistant,
+                          do_sample=False, max_new_tokens=max_new_tokens)  # fmt: skip
+    if target.device.type == "cuda":
+        torch.cuda.synchronize()
+    return out[0, input_ids.shape[1] :].tolist(), time.perf_counter() - start
+
+
+def identical(float32_target, input_ids: torch.Tensor, reference: list[int], tokens: list[int]) -> str:
+    """'yes', or where the output left plain greedy and whether that was a near-tie of the target's logits."""
+    if tokens == reference:
+        return "yes"
+    if float32_target is None:
+        return "NO"  # float32 must be identical: report it plainly
+    divergence = first_divergence(float32_target, input_ids, reference, tokens)
+    kind = "near-tie" if divergence.is_near_tie() else "NOT a near-tie"
+    return f"no: {kind} at token {divergence.position} (float32 gap {divergence.fp32_gap:.2f})"
+
+
+def run(args: argparse.Namespace) -> dict:
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype, reason = fast_dtype(device)
+    if args.dtype:
+        dtype, reason = args.dtype, "--dtype"
+    print(f"dtype: {dtype} ({reason}); device: {device}; --dtype float32 or bfloat16 to override")
+    torch.manual_seed(0)
+    target, tokenizer = load_model("smollm2-135m-instruct", device=device, dtype=dtype)
+    assistants = {"plain": None, "lookup tree": LookupTreeModel.from_target(target)}
+    for name, shipped in DRAFTERS.items():  # one object per method: its suffix cache and "auto" state are its own
+        cls = SpecBlockDraftModel if name == "SpecBlock" else Eagle3DraftModel
+        assistants[name] = cls.from_pretrained(shipped).eval()
+    reference = float32_copy(target) if is_16bit(target) else None
+
+    def plain_answer(input_ids: torch.Tensor) -> str:
+        return tokenizer.decode(timed_generate(target, input_ids, None, args.max_new_tokens)[0],
+                                skip_special_tokens=True)  # fmt: skip
+
+    prompts = build_prompts(tokenizer, plain_answer)
+    start = time.perf_counter()  # "auto" times the target once per model and device; keep that out of the table
+    warm_up = tokenizer("Hello, how are you today?", return_tensors="pt")["input_ids"]  # not one of the prompts
+    for assistant in assistants.values():
+        timed_generate(target, warm_up, assistant, 16)
+    seconds = time.perf_counter() - start
+    print(f'warm-up (times the target\'s cost per tree size for tree_budget="auto"): {seconds:.0f} s')
+    rows = []
+    for kind, input_ids in prompts:
+        plain_tokens = None
+        for method, assistant in assistants.items():
+            # one timed call per drafter: a repeat would find this very answer in its suffix cache and copy it
+            tokens, seconds = timed_generate(target, input_ids, assistant, args.max_new_tokens)
+            plain_tokens = tokens if method == "plain" else plain_tokens
+            rows.append({
+                "prompt": kind, "method": method, "new_tokens": len(tokens), "seconds": seconds,
+                "tau": None if assistant is None else assistant.last_stats.tau,
+                "identical": identical(reference, input_ids, plain_tokens, tokens),
+            })  # fmt: skip
+        plain_row = next(row for row in rows if row["prompt"] == kind and row["method"] == "plain")
+        again = timed_generate(target, input_ids, None, args.max_new_tokens)[1]
+        plain_row["seconds"] = min(plain_row["seconds"], again)
+        print(f"  {kind}: done (plain timed before and after the others, the faster counts)")
+    for row in rows:
+        row["tokens_per_s"] = row["new_tokens"] / row["seconds"]
+    plain = {row["prompt"]: row["tokens_per_s"] for row in rows if row["method"] == "plain"}
+    for row in rows:  # tokens per second: a 16-bit output that left plain greedy may stop at another length
+        row["speedup"] = row["tokens_per_s"] / plain[row["prompt"]]
+    return {"dtype": dtype, "device": device, "max_new_tokens": args.max_new_tokens, "rows": rows}
+
+
+def print_table(result: dict) -> None:
+    print(f"\n| prompt | method | tokens/s | speed-up | tau | identical to plain |\n|---|---|---|---|---|---|")
+    for row in result["rows"]:
+        tau = "-" if row["tau"] is None else f"{row['tau']:.2f}"
+        print(f"| {row['prompt']} | {row['method']} | {row['tokens_per_s']:.1f} | {row['speedup']:.2f}x | {tau} | "
+              f"{row['identical']} |")  # fmt: skip
+    losses = [r for r in result["rows"] if r["method"] != "plain" and r["speedup"] < 1.0]
+    if not losses:
+        print(f"\nOn this host in {result['dtype']} every method ran faster than plain decoding on every prompt.")
+        return
+    print(f"\nWhere speculation does not pay on this host ({result['dtype']}):")
+    for row in losses:
+        print(f"  {row['method']} on the {row['prompt']} prompt: {row['speedup']:.2f}x plain (tau {row['tau']:.2f})")
+    print("  A verified tree costs the target more than a plain step, so it pays only where enough of it is accepted;"
+          " \"auto\" drafts less where it measures a loss, and a cost under about 5% is the loop's own overhead.")
+
+
+def plot(result: dict, path: Path) -> Path | None:
+    """Speed-up over plain per prompt kind and method, as a bar chart (None without matplotlib)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed (pip install 'transformers-specblock[plot]'): no figure")
+        return None
+    kinds = list(dict.fromkeys(row["prompt"] for row in result["rows"]))
+    methods = [m for m in METHODS if m != "plain"]
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    width = 0.8 / len(methods)
+    for i, method in enumerate(methods):
+        speedup = {r["prompt"]: r["speedup"] for r in result["rows"] if r["method"] == method}
+        values = [speedup[k] for k in kinds]
+        ax.bar([k + i * width for k in range(len(kinds))], values, width, label=method)
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xticks([k + width * (len(methods) - 1) / 2 for k in range(len(kinds))], kinds)
+    ax.set_ylabel("speed-up over plain generate")
+    ax.set_title(f"SmolLM2-135M-Instruct, {result['dtype']} on {result['device']}, greedy")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--num_prompts", type=int, default=2)
-    parser.add_argument("--max_new_tokens", type=int, default=64)
-    parser.add_argument("--dataset", default="mt_bench", help="mt_bench, humaneval or sharegpt")
-    parser.add_argument("--drafter", type=str, default=SHIPPED, help="drafter folder or shipped name, or none")
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help="default: this host's fast dtype")
+    parser.add_argument("--device", help="cpu or cuda (default: cuda when a GPU is visible)")
+    parser.add_argument("--max_new_tokens", type=int, default=96)
+    parser.add_argument("--output_dir", default="out/demo")
     args = parser.parse_args()
-
-    torch.manual_seed(0)
-    target, tokenizer = load_packaged_model("smollm2-135m-instruct")
-    if Path(resolve_drafter_path(args.drafter), "config.json").exists():
-        specblock = SpecBlockDraftModel.from_pretrained(args.drafter).eval()
-        print(f"drafter: {args.drafter} (tree_budget={specblock.generation_config.tree_budget!r}, free candidates on)")
-    else:
-        specblock = SpecBlockDraftModel.from_target(target, tree_policy="fixed", fixed_width=3, tree_budget=16)
-        print(f"drafter: untrained (no drafter {args.drafter!r}) - expect tau near 1 and no speed-up")
-    drafters = {"lookup tree": LookupTreeModel.from_target(target), "specblock": specblock}  # one object per stream
-    start = time.perf_counter()  # "auto" times the target once per model and device: do it before timing anything
-    ladders = {tuple(d.generation_config.auto_budget_candidates) for d in drafters.values()}
-    for ladder in ladders:  # one curve per ladder
-        warm_up = LookupTreeModel.from_target(target, auto_budget_candidates=list(ladder))
-        target.generate(**tokenizer("Hello", return_tensors="pt"), assistant_model=warm_up, max_new_tokens=2)
-    print(f'timed the target once for tree_budget="auto": {time.perf_counter() - start:.1f} s')
-    totals = dict.fromkeys(["plain", *drafters], 0.0)
-    new_total = 0
-
-    prompts = load_prompts(args.dataset, num_prompts=args.num_prompts, tokenizer=tokenizer)
-    for row in prompts:
-        inputs = tokenizer(row["text"], return_tensors="pt", add_special_tokens=False)
-        print(f"\n=== [{row['category']}] {row['prompt'][:100]!r}")
-        start = time.perf_counter()
-        plain = target.generate(**inputs, do_sample=False, max_new_tokens=args.max_new_tokens)
-        plain_s = time.perf_counter() - start
-        totals["plain"] += plain_s
-        new = plain.shape[1] - inputs["input_ids"].shape[1]
-        new_total += new
-        print(f"plain generate: {new / plain_s:.1f} tok/s")
-        for name, drafter in drafters.items():
-            streamer = TextStreamer(tokenizer, skip_prompt=True) if name == "specblock" else None
-            start = time.perf_counter()
-            out = target.generate(
-                **inputs, assistant_model=drafter, do_sample=False, max_new_tokens=args.max_new_tokens,
-                streamer=streamer,
-            )  # fmt: skip
-            seconds = time.perf_counter() - start
-            totals[name] += seconds
-            stats = drafter.last_stats
-            print(
-                f"{name}: identical to plain greedy: {out.tolist() == plain.tolist()} | tau {stats.tau:.2f} | "
-                f"{new / seconds:.1f} tok/s vs plain {new / plain_s:.1f} tok/s (speed-up {plain_s / seconds:.2f}x) | "
-                f"nodes/iter {sum(stats.nodes_per_iteration) / max(1, stats.iterations):.1f} | accepted by source "
-                f"{ {k: v for k, v in stats.accepted_by_source.items() if v} }"
-            )
-    print(f"\nall prompts: plain {new_total / totals['plain']:.1f} tok/s; " + "; ".join(
-        f"{name} {new_total / totals[name]:.1f} tok/s ({totals['plain'] / totals[name]:.2f}x plain)" for name in drafters
-    ))  # fmt: skip
+    result = run(args)
+    print_table(result)
+    output_dir = Path(args.output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    tmp = output_dir / "demo.json.tmp"
+    tmp.write_text(json.dumps(result, indent=1))
+    tmp.replace(output_dir / "demo.json")
+    figure = plot(result, output_dir / "demo.png")
+    print(f"\ntable: {output_dir / 'demo.json'}" + (f"\nfigure: {figure}" if figure else ""))
 
 
 if __name__ == "__main__":

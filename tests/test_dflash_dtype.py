@@ -1,7 +1,7 @@
 """A DFlash drafter saved in 16 bits serves a target of another dtype on BOTH paths: this package's tree loop casts
 it on binding, and transformers' own `speculation_type="dflash"` chain (which calls the drafter's forward with the
 target's embeddings and feeds its output to the target's `lm_head`) used to crash deep in a matmul ("expected m1 and
-m2 to have the same dtype"); the drafter now follows the target there too. The README's snippet runs as written."""
+m2 to have the same dtype"); the drafter now follows the target there too. The docs' snippet runs as written."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from conftest import make_target
 from test_dflash import PROMPTS, make_dflash
 from transformers_specblock import DFlashDraftModel
 
-README = Path(__file__).parents[1] / "README.md"
+SNIPPET_PAGE = Path(__file__).parents[1] / "docs" / "how-to" / "published-drafters.md"
 
 
 @pytest.mark.parametrize("saved, target_dtype", [(torch.bfloat16, torch.float32), (torch.float16, torch.float32),
@@ -38,21 +38,21 @@ def test_drafter_saved_in_16_bits_follows_the_target(tmp_path, one_thread, saved
     assert drafter.dtype == target_dtype
 
 
-def readme_dflash_snippet() -> str:
-    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
+def docs_dflash_snippet() -> str:
+    blocks = re.findall(r"```python\n(.*?)```", SNIPPET_PAGE.read_text(), flags=re.S)
     (snippet,) = [b for b in blocks if 'speculation_type="dflash"' in b and "shipped_drafter_path" in b]
     return textwrap.dedent(snippet)
 
 
-def test_readme_snippet_is_found():
-    snippet = readme_dflash_snippet()
+def test_docs_snippet_is_found():
+    snippet = docs_dflash_snippet()
     assert "AutoModel.from_pretrained(path)" in snippet and "float32" in snippet
 
 
 @pytest.mark.slow  # the packaged SmolLM2-135M-Instruct in float32 and the shipped bfloat16 DFlash drafter
-def test_readme_snippet_runs_as_written(one_thread):
+def test_docs_snippet_runs_as_written(one_thread):
     scope: dict = {}
-    exec(compile(readme_dflash_snippet(), str(README), "exec"), scope)
+    exec(compile(docs_dflash_snippet(), str(SNIPPET_PAGE), "exec"), scope)
     target, tok, inputs = scope["target"], scope["tok"], scope["inputs"]
     assert target.dtype == torch.float32
     plain = target.generate(**inputs, max_new_tokens=24, do_sample=False)

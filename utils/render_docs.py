@@ -1,0 +1,227 @@
+"""Render every figure of README.md and the docs from the results files under docs/results (and the commands'
+argument tables from their dataclasses), between ``<!-- BEGIN generated: NAME -->`` and ``<!-- END generated -->``
+markers, plus the tree picture docs/figures/tree.svg.
+
+    python utils/render_docs.py           # rewrite the generated parts
+    python utils/render_docs.py --check   # exit 1, naming the files, if a generated part differs from its source
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from cost_figure import cost_svg  # noqa: E402
+from docs_tables import command_reference  # noqa: E402
+from tree_figure import mask_svg, tree_svg  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "docs" / "results"
+# The current runs the pages cite: (folder under docs/results, date run). Everything else under docs/results is older.
+SINGLE_STREAM = {"bfloat16": ("batch-control", "2026-12-02"), "float32": ("batch-five-rounds", "2026-12-02")}
+BATCHES = ("batch-control", "bfloat16", "2026-12-02")
+TARGET_COST = ("target-cost/amd-epyc.json", "2026-12-03")
+SUFFIX_STREAMS = ("suffix-streams-bf16", "2026-12-02")
+ADAPTATION = ("adaptation-stream", "2026-12-01")
+GPU_TRAINING = ("gpu-h200-2026-11-30", "2026-11-30")
+PROMPT_SETS = {"humaneval": "HumanEval", "mt_bench": "MT-Bench"}
+METHODS = {"lookup_tree": "lookup tree (no weights)", "eagle3": "EAGLE-3", "specblock": "SpecBlock",
+           "dflash": "DFlash", "plain_control": "plain again (A/A control)"}  # fmt: skip
+
+
+def load(relative: str) -> dict:
+    return json.loads((RESULTS / relative).read_text())
+
+
+def results_json(folder: str, dtype: str, prompts: str, batch: int) -> dict:
+    return load(f"{folder}/{dtype}-{prompts}-b{batch}/results.json")
+
+
+def cell(method: dict) -> str:
+    tau = method["tau"]
+    return f"{method['speedup']:.2f}x" + ("" if tau is None else f" (tau {tau:.2f})")
+
+
+def gpu_inference_runs() -> list[str]:
+    """Benchmark results measured on a GPU (none yet: the page says so)."""
+    runs = []
+    for path in sorted(RESULTS.rglob("results.json")):
+        settings = json.loads(path.read_text()).get("settings", {})
+        if str(settings.get("device", "")).startswith("cuda"):
+            runs.append(str(path.parent.relative_to(RESULTS)))
+    return runs
+
+
+def glance(root: str = "docs/results") -> str:
+    """Method x prompt set, speed-up over plain `generate` and tau, batch 1, one column per dtype and prompt set;
+    ``root`` is docs/results as seen from the page (README.md links folders, the site links the files)."""
+    columns, notes = [], []
+    for dtype, (folder, date) in SINGLE_STREAM.items():
+        links = []
+        for prompts, title in PROMPT_SETS.items():
+            data = results_json(folder, dtype, prompts, 1)
+            columns.append((f"{title}, {dtype}", data["methods"]))
+            links.append(f"[{title}]({root}/{folder}/{dtype}-{prompts}-b1/results.json)")
+        settings = data["settings"]
+        where = f"[`{folder}`]({root}/{folder}/)" if root.startswith("docs/") else f"`{folder}` ({', '.join(links)})"
+        notes.append(f"{dtype}: {where}, {date}")
+    header = "| method | " + " | ".join(name for name, _ in columns) + " |"
+    lines = [header, "|---" * (len(columns) + 1) + "|"]
+    for key, name in METHODS.items():
+        if key != "plain_control" or all(key in methods for _, methods in columns):
+            lines.append(f"| {name} | " + " | ".join(cell(m[key]) if key in m else "-" for _, m in columns) + " |")
+    gpu = gpu_inference_runs()
+    return "\n".join([
+        *lines, "",
+        f"Speed-up over plain `generate` in the same run (tau: tokens committed per target forward), batch 1, greedy, "
+        f"{settings['num_prompts']} prompts x {settings['max_new_tokens']} new tokens, "
+        f"{settings['target_model']} on {settings['hardware']}, one thread, the shipped drafters as shipped. "
+        f"Results: {'; '.join(notes)}.",
+        "",
+        ("GPU: " + ", ".join(gpu)) if gpu else "GPU: not measured yet.",
+    ])  # fmt: skip
+
+
+def result_files(folder: str, names: list[str]) -> str:
+    """Links to the results files of a run's cells."""
+    return ", ".join(f"[{name}](results/{folder}/{name}/results.json)" for name in names)
+
+
+def batches() -> str:
+    folder, dtype, date = BATCHES
+    lines = []
+    for prompts, title in PROMPT_SETS.items():
+        runs = {b: results_json(folder, dtype, prompts, b)["methods"] for b in (1, 4, 16)}
+        lines += [f"**{title}** ({dtype}, {date})", "", "| method | B = 1 | B = 4 | B = 16 |", "|---|---|---|---|"]
+        for key, name in METHODS.items():
+            lines.append(f"| {name} | " + " | ".join(cell(runs[b][key]) for b in runs) + " |")
+        lines.append("")
+    settings = results_json(folder, dtype, "humaneval", 4)["settings"]
+    lines.append(
+        f"{settings['num_prompts']} prompts x {settings['max_new_tokens']} new tokens per cell, {settings['repeats']} "
+        f"rounds at B > 1 (the methods' order rotated), {settings['hardware']}. Results: "
+        f"`{folder}` ({result_files(folder, [f'{dtype}-{p}-b{b}' for p in PROMPT_SETS for b in (1, 4, 16)])})."
+    )
+    return "\n".join(lines)
+
+
+def exactness() -> str:
+    folder, date = SINGLE_STREAM["bfloat16"]
+    lines = ["| prompts | method | outputs leaving plain greedy | largest float32 logit gap there |",
+             "|---|---|---|---|"]  # fmt: skip
+    for prompts, title in PROMPT_SETS.items():
+        data = results_json(folder, "bfloat16", prompts, 1)
+        total = data["settings"]["num_prompts"]
+        for key, name in METHODS.items():
+            method = data["methods"][key]
+            gap = "-" if method["max_fp32_gap"] is None else f"{method['max_fp32_gap']:.3f}"
+            lines.append(f"| {title} | {name} | {method['left_greedy']} of {total} | {gap} |")
+    files = result_files(folder, [f"bfloat16-{prompts}-b1" for prompts in PROMPT_SETS])
+    return "\n".join(lines + ["", f"bfloat16, batch 1, {date}: `{folder}` ({files})."])
+
+
+def target_cost() -> str:
+    path, date = TARGET_COST
+    data = load(path)
+    sizes = ("1", "4", "8", "16", "32")
+    lines = ["| dtype, batch | plain step (ms) | " + " | ".join(f"{s} nodes" for s in sizes) + " |",
+             "|---" * (len(sizes) + 2) + "|"]  # fmt: skip
+    for name, curve in data["curves"].items():
+        costs = " | ".join(f"{curve['relative'][s]:.2f}x" for s in sizes)
+        lines.append(f"| {name} | {curve['plain_step_ms']:.1f} | {costs} |")
+    return "\n".join(lines + ["", f"{data['hardware']}, {date}: [`{path}`](results/{path})."])
+
+
+def embedded_table(folder: str, date: str) -> str:
+    """The first table of a results.md that its own script wrote (with the lines above it)."""
+    text = (RESULTS / folder / "results.md").read_text().strip()
+    first = text.split("\n\n| stream | drafter")[0]  # the adaptation report's first table only
+    return f"{first}\n\n{date}: [`{folder}/results.json`](results/{folder}/results.json)."
+
+
+def adaptation() -> str:
+    folder, date = ADAPTATION
+    settings = load(f"{folder}/results.json")["settings"]
+    return embedded_table(folder, date) + (
+        f" {settings['num_code']} code, {settings['num_chat']} chat and {settings['num_sharegpt']} ShareGPT prompts, "
+        f"{settings['max_new_tokens']} new tokens per call, tree budget {settings['tree_budget']}, float32."
+    )
+
+
+def gpu_training() -> str:
+    folder, date = GPU_TRAINING
+    run = load(f"{folder}/dflash-all_results.json")
+    log = (RESULTS / folder / "run.log").read_text().splitlines()[0]
+    stack = log.split(": ", 1)[1]
+    tokens_per_s = run["train_tokens"] / run["train_seconds"]
+    return (
+        "| drafter | GPU | training time | steps | tokens | tokens/s | held-out accepted length |\n"
+        "|---|---|---|---|---|---|---|\n"
+        f"| DFlash for SmolLM2-135M-Instruct | one H200 | {run['train_seconds'] / 60:.1f} min | {run['train_steps']} | "
+        f"{run['train_tokens'] / 1e6:.1f}M | {tokens_per_s / 1e3:.0f}k | {run['eval_accept_length']:.2f} |\n\n"
+        f"{stack}; {date}: [`{folder}/dflash-all_results.json`](results/{folder}/dflash-all_results.json)."
+    )  # fmt: skip
+
+
+SECTIONS = {
+    "README.md": {"glance": glance},
+    "docs/index.md": {"glance": lambda: glance("results")},
+    "docs/benchmarks.md": {
+        "glance": lambda: glance("results"),
+        "batches": batches,
+        "exactness": exactness,
+        "target-cost": target_cost,
+        "suffix-streams": lambda: embedded_table(*SUFFIX_STREAMS),
+        "adaptation": adaptation,
+        "gpu-training": gpu_training,
+    },
+    "docs/reference/commands.md": {"commands": command_reference},
+}
+FIGURES = {
+    "docs/figures/tree.svg": tree_svg,
+    "docs/figures/tree-mask.svg": mask_svg,
+    "docs/figures/target-cost.svg": lambda: cost_svg(RESULTS / TARGET_COST[0]),
+}
+BLOCK = re.compile(r"(<!-- BEGIN generated: (?P<name>[\w-]+) -->\n)(?:(?!<!-- BEGIN).)*?(<!-- END generated -->)", re.S)
+
+
+def render(text: str, sections: dict) -> str:
+    if text.count("<!-- BEGIN generated:") != len(BLOCK.findall(text)):
+        raise ValueError("a <!-- BEGIN generated: NAME --> marker without its <!-- END generated -->")
+    def replace(match: re.Match) -> str:
+        name = match.group("name")
+        if name not in sections:
+            raise KeyError(f"no renderer for the generated block {name!r}")
+        return match.group(1) + sections[name]().rstrip("\n") + "\n" + match.group(3)
+
+    return BLOCK.sub(replace, text)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--check", action="store_true", help="only report what differs (exit status 1)")
+    args = parser.parse_args(argv)
+    stale = []
+    outputs = {path: render((ROOT / path).read_text(), sections) for path, sections in SECTIONS.items()}
+    outputs.update({path: make() for path, make in FIGURES.items()})
+    for path, text in outputs.items():
+        file = ROOT / path
+        if file.exists() and file.read_text() == text:
+            continue
+        stale.append(path)
+        if not args.check:
+            file.parent.mkdir(parents=True, exist_ok=True)
+            tmp = file.with_suffix(file.suffix + ".tmp")
+            tmp.write_text(text)
+            tmp.replace(file)
+    if stale:
+        print(("differs from its source: " if args.check else "rewrote: ") + ", ".join(stale))
+    return 1 if stale and args.check else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
