@@ -9,6 +9,7 @@ has not trained on, a drop in tau rolls a whole-drafter update back, and reset /
 from __future__ import annotations
 
 import math
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -27,6 +28,7 @@ from transformers_specblock.generation.adaptation import (
     collect_signal,
     online_adapter_for,
 )
+from transformers_specblock.generation.adaptation import adapter as adapter_module
 from transformers_specblock.generation.adaptation import update
 from transformers_specblock.generation.adaptation.adapter import ESCALATION_GAIN
 from transformers_specblock.generation.adaptation.signal import target_to_draft_ids
@@ -535,3 +537,28 @@ def test_bad_settings_are_refused():
     lookup = LookupTreeModel.from_target(target, online_adaptation="bandit")
     with pytest.raises(ValueError, match="LookupTreeModel has no weights to adapt: set online_adaptation='off'"):
         target.generate(_prompt(0), assistant_model=lookup, max_new_tokens=4)
+
+
+def test_signal_collection_is_charged_to_adaptation_not_to_the_trees(monkeypatch):
+    """What the adapter spends collecting its signal inside each step is adaptation's cost (the bandit weighs it with
+    the update), never part of the step time "auto" weighs trees by: else adapting would make every tree look
+    dearer, "auto" would stop drafting, and with it the signal."""
+    target = make_target("llama", vocab_size=VOCAB, seed=1)
+    drafter = _drafter(
+        "specblock", target, online_adaptation="always", tree_budget="auto", auto_budget_candidates=[0, 8],
+        auto_budget_warmup=1000,  # every step drafts (the warm-up), so every step collects a signal
+    )  # fmt: skip
+    delay = 0.05
+    collect = adapter_module.collect_signal
+
+    def slow_collect(*args, **kwargs):
+        time.sleep(delay)
+        return collect(*args, **kwargs)
+
+    monkeypatch.setattr(adapter_module, "collect_signal", slow_collect)
+    _serve(target, drafter, calls=1)
+    chooser = drafter.serving_state(target).auto_budget
+    overhead = chooser.step_overhead[(1, True)]
+    assert overhead.count >= 4 and overhead.mean(chooser.clock) < delay / 2  # the trees' cost: as measured
+    steps = drafter.last_stats.iterations
+    assert drafter.last_stats.adaptation.update_time_s >= delay * steps  # adaptation's, charged to its action
