@@ -45,7 +45,8 @@ def test_unlock_warmup_slot_weights():
 
 
 def _tiny_batch(vocab: int = 6, seed: int = 0):
-    """A drafter over a 6-token vocabulary (one slot in six is right by chance, so later slots count) and a batch."""
+    """A drafter over a 6-token vocabulary (one slot in six is right by chance, so later slots count), a batch and the
+    target (the caller keeps it alive: a drafter binds its target weakly)."""
     target = make_target("llama", vocab_size=vocab)
     config = SpecBlockConfig.from_target_config(target.config, block_size=3, num_hidden_layers=2, draft_vocab_size=6)
     torch.manual_seed(seed)
@@ -59,11 +60,11 @@ def _tiny_batch(vocab: int = 6, seed: int = 0):
         out = target.model(ids, output_hidden_states=True)
     features = torch.cat([out.hidden_states[i] for i in config.target_layer_ids], dim=-1)
     logits = out.last_hidden_state @ target.lm_head.weight.T
-    return drafter, (ids, mask, loss_mask, features, logits[..., drafter.d2t], logits.argmax(-1))
+    return drafter, (ids, mask, loss_mask, features, logits[..., drafter.d2t], logits.argmax(-1)), target
 
 
 def test_training_pass_uses_slot0_normalization_and_unlock_weights():
-    drafter, args = _tiny_batch()
+    drafter, args, _target = _tiny_batch()
     offsets = [2, 1]
     drafter.loss_config = SpecBlockLossConfig(rank_loss_weight=0.0, slot_normalization="slot0", unlock_warmup_steps=4)
     result = drafter(*args, followup_offsets=offsets, training_step=3)
@@ -81,7 +82,7 @@ def test_training_pass_uses_slot0_normalization_and_unlock_weights():
 
 
 def test_rank_loss_starts_at_rank_start_step():
-    drafter, args = _tiny_batch()
+    drafter, args, _target = _tiny_batch()
     drafter.loss_config = SpecBlockLossConfig(rank_start_step=5)
     for step, counted in ((0, False), (4, False), (5, True), (None, True)):
         drafter.zero_grad()

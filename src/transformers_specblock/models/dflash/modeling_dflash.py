@@ -211,13 +211,11 @@ class DFlashDraftModel(PublishedCheckpointMixin, TreeDraftModel):
                                block and the context before their anchor)
         Returns `last_hidden_state` [B, Q, H] (after the final norm; the target's `lm_head` reads it).
 
-        Outside training the drafter follows its target's dtype, as `bind_target` does for the tree loop: called
-        with `noise_embeds` of another floating dtype (transformers' chain passes the target's own embeddings, and
-        feeds the output to the target's `lm_head`) it first casts its weights to that dtype, so a drafter saved in
-        bfloat16 serves a float32 target.
+        Called with `noise_embeds` of another floating dtype (transformers' chain passes the target's own
+        embeddings, and feeds the output to the target's `lm_head`) it computes in its own dtype and returns the
+        output in the inputs' dtype, so a drafter saved in bfloat16 serves a float32 target and stays bfloat16.
         """
-        if not self.training and noise_embeds.is_floating_point() and noise_embeds.dtype != self.dtype:
-            self.to(dtype=noise_embeds.dtype)
+        output_dtype = noise_embeds.dtype if noise_embeds.is_floating_point() else self.dtype
         context = self.fuse_context(context_hidden_states)
         hidden_states = noise_embeds.to(device=self.device, dtype=self.dtype)
         batch, q_len = hidden_states.shape[:2]
@@ -228,7 +226,8 @@ class DFlashDraftModel(PublishedCheckpointMixin, TreeDraftModel):
         position_embeddings = self.rotary_emb(hidden_states, position_ids.to(self.device))
         for layer in self.layers:
             hidden_states = layer(hidden_states, context, position_embeddings, mask, past_key_values)
-        return BaseModelOutputWithPast(last_hidden_state=self.norm(hidden_states), past_key_values=past_key_values)
+        hidden_states = self.norm(hidden_states).to(output_dtype)
+        return BaseModelOutputWithPast(last_hidden_state=hidden_states, past_key_values=past_key_values)
 
     @staticmethod
     def _attention_mask(attention_mask: torch.Tensor | None, q_len: int, dtype: torch.dtype) -> torch.Tensor | None:
