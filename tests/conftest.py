@@ -12,6 +12,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCau
 
 import transformers_specblock  # noqa: F401  (registers Auto classes and the generate routing)
 from transformers_specblock import SpecBlockDraftModel
+from transformers_specblock.generation import auto_choosers
 
 TINY = dict(
     hidden_size=64,
@@ -55,6 +56,14 @@ def make_drafter(target, seed: int = 0, **overrides) -> SpecBlockDraftModel:
     overrides.setdefault("tree_budget", 32)
     torch.manual_seed(seed + 1000)
     return SpecBlockDraftModel.from_target(target, **overrides)
+
+
+@pytest.fixture(autouse=True)
+def own_auto_budget_cache(tmp_path_factory, monkeypatch):
+    """Each test's "auto" choosers time the target and learn afresh (tests of the on-disk cache use their own
+    folders): what an earlier test or run left in the user's cache folder must not decide a test."""
+    folder = tmp_path_factory.mktemp("auto-budget-cache")
+    monkeypatch.setattr(auto_choosers, "default_cache_dir", lambda: folder)
 
 
 @pytest.fixture(scope="module")

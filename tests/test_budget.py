@@ -10,7 +10,8 @@ import torch
 from conftest import make_drafter, make_target
 from transformers_specblock import LookupTreeModel
 from transformers_specblock.generation import CANDIDATE_GENERATOR_MAPPING
-from transformers_specblock.generation.budget import PLAIN, AutoBudget, auto_budget_for, best_budget
+from transformers_specblock.generation.auto_choosers import auto_budget_for
+from transformers_specblock.generation.budget import PLAIN, AutoBudget, best_budget
 from transformers_specblock.generation.target_cost import TargetCost
 from transformers_specblock.generation.tree import DraftTree
 from transformers_specblock.models.tree_drafter.generation_config import (

@@ -19,6 +19,8 @@ from transformers.utils import logging
 from transformers_specblock import Eagle3DraftModel, LookupTreeModel, SpecBlockDraftModel
 from transformers_specblock.models.tree_drafter.generation_config import DRAFTING_SETTINGS, TreeGenerationConfig
 from transformers_specblock.generation.adaptation import online_adapter_for
+from transformers_specblock.generation import auto_choosers
+from transformers_specblock.generation.auto_choosers import auto_budget_for
 from transformers_specblock.generation.suffix_cache import suffix_cache_for
 from transformers_specblock.generation.target_cost import _COST_CACHE, COST_CACHE_FILE, measure_target_cost
 
@@ -198,3 +200,25 @@ def test_cost_curves_are_kept_on_disk_and_a_new_process_reads_them(tmp_path):
     half.register_forward_hook(lambda *args: forwards.append(1))
     measure_target_cost(half, [0, 1, 2, 4], context_length=16, repeats=1, cache_dir=tmp_path)
     assert forwards and len(json.loads((tmp_path / COST_CACHE_FILE).read_text())) == 2
+
+
+def test_a_new_process_goes_on_from_what_auto_learnt(tmp_path, monkeypatch):
+    monkeypatch.setattr(auto_choosers, "default_cache_dir", lambda: tmp_path)
+    target = make_target(vocab_size=32, seed=11)
+    settings = dict(tree_budget="auto", auto_budget_candidates=[0, 4, 8], auto_budget_warmup=3)
+    drafter = make_drafter(target, **settings)
+    greedy(target, assistant_model=drafter)
+    learnt = drafter.serving_state(target).auto_budget
+    assert learnt.trees >= 3 and list((tmp_path / "auto-budget").glob("*.json"))
+
+    _COST_CACHE.clear()  # a new process: a new drafter object, nothing in memory
+    again = make_drafter(target, **settings)
+    chooser = auto_budget_for(again, target)
+    assert (chooser.trees, chooser.clock) == (learnt.trees, learnt.clock)  # past the warm-up already
+    assert chooser.estimates() == learnt.estimates()
+    assert torch.equal(greedy(target, assistant_model=again), greedy(target))
+
+    other = make_drafter(target, seed=1, **settings)  # other weights learn for themselves
+    assert auto_budget_for(other, target).trees == 0
+    off = make_drafter(target, auto_budget_cost_cache=False, **settings)
+    assert auto_budget_for(off, target).trees == 0 and auto_budget_for(off, target).state_path is None

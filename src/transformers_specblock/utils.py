@@ -77,5 +77,16 @@ class RecentMean:
         recent = self._recent(step)
         return statistics.median_low(recent) if recent else 0.0
 
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-able copy (`from_dict` restores it)."""
+        return {"window": self.window, "keep": self.keep, "count": self.count, "samples": [list(s) for s in self.samples]}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "RecentMean":
+        recent = cls(data["window"], data["keep"])
+        recent.samples.extend((int(step), float(value)) for step, value in data["samples"])
+        recent.count = data["count"]
+        return recent
+
     def _recent(self, step: int) -> list[float]:
         return [v for i, (s, v) in enumerate(reversed(self.samples)) if i < self.keep or s > step - self.window]

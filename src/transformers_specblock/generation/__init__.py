@@ -2,7 +2,8 @@
 the tree budget, the loop and its entry into `generate`."""
 
 from .acceptance import greedy_accept, greedy_accept_rows, sample_accept
-from .budget import AutoBudget, auto_budget_for, best_budget
+from .auto_choosers import auto_budget_for
+from .budget import AutoBudget, best_budget
 from .cache_utils import compact_cache, full_attention_cache, truncate_cache
 from .candidate_generators import (
     CANDIDATE_GENERATOR_MAPPING,

@@ -23,22 +23,17 @@ from __future__ import annotations
 
 import itertools
 import math
-import weakref
 from dataclasses import dataclass, field
-from typing import Callable
-
-from transformers import PreTrainedModel
+from pathlib import Path
+from typing import Any, Callable
 
 from ..models.tree_drafter.generation_config import (
     DEFAULT_EXPLORE_INTERVAL,
     DEFAULT_EXPLORE_SHARE,
     DEFAULT_WARMUP_COST,
 )
-from ..models.tree_drafter.modeling_tree_drafter import TreeDraftModel
-from ..hub.assets import default_cache_dir
 from ..utils import RecentMean
-from .lookup import LookupSettings
-from .target_cost import BATCH_CONTEXT, SMALL_SIZES, TargetCost, batch_bucket, measure_target_cost
+from .target_cost import TargetCost, batch_bucket
 from .tree import SOURCE_BITS, DraftTree
 
 DEFAULT_WINDOW = 64  # verified steps: the estimates are means over the samples of the last `window` steps
@@ -66,6 +61,13 @@ def best_budget(
     if plainly in rates:
         rates[plainly] *= 1.0 + min_gain
     return max(rates, key=rates.get)
+
+
+LEARNT_COUNTERS = ("trees", "clock", "steps", "explorations", "explored_at")
+LEARNT_MEANS = (
+    "tau", "size", "drafting", "exploration_extra", "free_tau", "free_size", "free_part_tau", "free_part_size",
+    "free_seconds",
+)  # fmt: skip
 
 
 @dataclass
@@ -119,6 +121,7 @@ class AutoBudget:
     # measured seconds of a step (drafting excluded) beyond the cost curve's, per (batch bucket, whether a tree was
     # verified): the loop's own work (masks, acceptance, compaction, bookkeeping per row), the real cache's length
     step_overhead: dict[tuple[int, bool], RecentMean] = field(default_factory=dict)
+    state_path: Path | None = None  # where its learnt state is kept for the next process (`autotune_cache`)
     tau: dict[int, RecentMean] = field(init=False)  # committed tokens per tree, per candidate > 0
     size: dict[int, RecentMean] = field(init=False)  # nodes a tree of each candidate budget verifies
     drafting: RecentMean = field(init=False)  # drafter seconds per representative speculative step
@@ -138,6 +141,36 @@ class AutoBudget:
     @property
     def largest(self) -> int:
         return self.ladder[-1]
+
+    def learnt_state(self) -> dict[str, Any]:
+        """What the chooser learnt (counters and estimates; not the cost curves, kept apart), JSON-able."""
+        means = {}
+        for name in LEARNT_MEANS:
+            value = getattr(self, name)
+            means[name] = {str(b): m.to_dict() for b, m in value.items()} if isinstance(value, dict) else value.to_dict()
+        overhead = {f"{bucket},{int(tree)}": m.to_dict() for (bucket, tree), m in self.step_overhead.items()}
+        return {**{name: getattr(self, name) for name in LEARNT_COUNTERS}, "means": means, "step_overhead": overhead}
+
+    def restore(self, state: dict[str, Any]) -> None:
+        """Go on from a `learnt_state` (of a chooser with the same candidates); an empty or foreign one is ignored."""
+        try:
+            means = {
+                name: {int(b): RecentMean.from_dict(m) for b, m in value.items()} if name in ("tau", "size")
+                else RecentMean.from_dict(value)
+                for name, value in state["means"].items()
+            }  # fmt: skip
+            overhead = {
+                (int(key.split(",")[0]), key.endswith(",1")): RecentMean.from_dict(m)
+                for key, m in state["step_overhead"].items()
+            }
+            counters = {name: int(state[name]) for name in LEARNT_COUNTERS}
+        except (KeyError, TypeError, ValueError, AttributeError):
+            return
+        if set(means.get("tau", {})) != set(self.tau):
+            return
+        for name, value in {**counters, **means}.items():
+            setattr(self, name, value)
+        self.step_overhead = overhead
 
     def set_batch_size(self, live_rows: int) -> None:
         """Choose for `live_rows` rows verified together: their bucket's cost curve, drafting paid per row. The first
@@ -331,31 +364,3 @@ class AutoBudget:
             size, drafting = self.size[budget], self.drafting
         nodes = size.mean(self.clock) if size.count else budget
         return self.step_seconds(nodes) + drafting.mean(self.clock) * self.batch_size
-
-
-def auto_budget_for(drafter: TreeDraftModel, target: PreTrainedModel) -> AutoBudget:
-    """The `tree_budget="auto"` chooser of `drafter` for `target`, kept in the drafter's serving state for that target
-    (`drafter.serving_state(target).auto_budgets`, the target held weakly): the target's cost curve is measured once
-    per device, and what it learns about acceptance carries over between `generate` calls (as the drafter's own tree
-    settings change too), except that other free-candidate settings (`generation.lookup`) get their own chooser: a
-    drafter with and without prompt lookup draws different kinds of trees."""
-    config = drafter.generation_config
-    candidates = list(config.auto_budget_candidates)
-    state = drafter.serving_state(target)
-    key = (str(target.device), tuple(candidates), LookupSettings.from_config(config))
-    if key not in state.auto_budgets:
-        sizes = sorted(set(candidates) | SMALL_SIZES)
-        weak_target = weakref.ref(target)
-        cache_dir = default_cache_dir() if config.auto_budget_cost_cache else None
-        state.auto_budgets[key] = AutoBudget(
-            candidates, measure_target_cost(target, sizes, cache_dir=cache_dir),
-            warmup=config.auto_budget_warmup,
-            warmup_cost=config.auto_budget_warmup_cost,
-            free_at_zero=key[-1].enabled,
-            min_gain=config.auto_budget_min_gain,
-            measure=lambda batch_size: measure_target_cost(
-                weak_target(), sizes, BATCH_CONTEXT, batch_size=batch_size, cache_dir=cache_dir
-            ),
-        )  # fmt: skip
-    state.auto_budget = state.auto_budgets[key]  # the chooser of the latest call, for inspection
-    return state.auto_budget

@@ -26,7 +26,8 @@ from ..models.tree_drafter.modeling_tree_drafter import TreeDraftModel
 from ..utils import sync, to_device
 from .acceptance import greedy_accept_rows, kept_rows, sample_accept
 from .adaptation import AdaptationReport, OnlineAdapter, online_adapter_for
-from .budget import PLAIN, AutoBudget, auto_budget_for
+from .auto_choosers import auto_budget_for, save_chooser
+from .budget import PLAIN, AutoBudget
 from .cache_utils import compact_cache, full_attention_cache, repack_cache
 from .candidate_generators import TreeCandidateGenerator, get_candidate_generator
 from .logits_process import TreeLogitsProcessor
@@ -192,6 +193,8 @@ def tree_speculative_decoding(
         stats.adaptation = copy.copy(adapter.finish_call(stats.new_tokens, time.perf_counter() - started, stats.tau))
     stats.total_time_s = time.perf_counter() - started
     drafter.last_stats = stats
+    if auto_budget is not None:  # what it learnt, for the next process (`auto_budget_cost_cache`)
+        save_chooser(auto_budget)
     # a batch's cache holds rows that left and holes: only a single row's cache can be decoded on from
     return batch_output(rows, generation_config, loop.cache if len(rows) == 1 else None)
 

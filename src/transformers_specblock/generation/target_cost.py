@@ -8,10 +8,7 @@ interpolates the curve; `batch_bucket` maps a live batch to its curve.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
-import tempfile
 import time
 import weakref
 from dataclasses import asdict, dataclass
@@ -20,8 +17,8 @@ from pathlib import Path
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from ..hub.provenance import cpu_capability, describe_device
 from ..utils import sync
+from .autotune_cache import hardware_fingerprint, read_json, target_architecture_fingerprint, write_json
 from .cache_utils import truncate_cache
 from .tree import DraftTree
 from .tree_batch import TreeBatch
@@ -74,7 +71,7 @@ def measure_target_cost(
         return per_model[key]
     disk_key = f"{hardware_fingerprint(target.device)}|{target_architecture_fingerprint(target)}|{target.dtype}|{key}"
     if cache_dir is not None:
-        stored = _read_curves(Path(cache_dir)).get(disk_key)
+        stored = read_json(Path(cache_dir) / COST_CACHE_FILE).get(disk_key)
         if stored is not None:
             per_model[key] = TargetCost(**stored)
             return per_model[key]
@@ -111,44 +108,9 @@ def measure_target_cost(
     seconds = [min(seconds[i:]) for i in range(len(seconds))]
     per_model[key] = TargetCost(sorted(sizes)[: len(seconds)], seconds)
     if cache_dir is not None:
-        _write_curve(Path(cache_dir), disk_key, per_model[key])
+        path = Path(cache_dir) / COST_CACHE_FILE
+        write_json(path, read_json(path) | {disk_key: asdict(per_model[key])})
     return per_model[key]
-
-
-def hardware_fingerprint(device: torch.device) -> str:
-    """What a timing depends on besides the model: the device (GPU name, or CPU model, cores and its vector ISA),
-    the intra-op threads and the torch version."""
-    threads = torch.get_num_threads()
-    return f"{describe_device(device)}; {cpu_capability()}; {threads} threads; torch {torch.__version__}"
-
-
-def target_architecture_fingerprint(target: PreTrainedModel) -> str:
-    """A short hash of what the target's cost depends on: its architecture (the text config without names or paths)
-    and attention implementation, not its weights."""
-    config = {
-        k: v for k, v in target.config.to_dict().items() if "name_or_path" not in k and k != "transformers_version"
-    }
-    text = json.dumps([config, target.config._attn_implementation], sort_keys=True, default=str)
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
-
-
-def _read_curves(cache_dir: Path) -> dict[str, dict]:
-    try:
-        return json.loads((cache_dir / COST_CACHE_FILE).read_text())
-    except (OSError, ValueError):  # none yet, or unreadable: time again
-        return {}
-
-
-def _write_curve(cache_dir: Path, key: str, curve: TargetCost) -> None:
-    """Add one curve to the cache file (written atomically; a cache that cannot be written is skipped)."""
-    try:
-        cache_dir.mkdir(parents=True, exist_ok=True)
-        curves = _read_curves(cache_dir) | {key: asdict(curve)}
-        with tempfile.NamedTemporaryFile("w", dir=cache_dir, delete=False, suffix=".tmp") as handle:
-            json.dump(curves, handle, indent=1, sort_keys=True)
-        os.replace(handle.name, cache_dir / COST_CACHE_FILE)
-    except OSError:
-        return
 
 
 def batch_bucket(batch_size: int) -> int:
