@@ -90,10 +90,11 @@ class TreeGenerationConfig(GenerationConfig):
         auto_budget_min_gain: With tree_budget="auto", a budget that speculates (a drafted tree, or the free
             candidates' tree alone) is chosen only where it promises at least this much more tokens per second than
             plain decoding (0.05: 5%): the estimates are noisy, and a marginal gain is not worth the risk of a loss.
-        auto_budget_cost_cache: With tree_budget="auto", keep the target's measured cost curves on disk (in
-            `$XDG_CACHE_HOME/transformers_specblock/target-cost-curves.json`, per hardware, target architecture, dtype,
-            device and batch size), so a new process reads them instead of timing the target again; False times the
-            target in every process and writes nothing.
+        auto_budget_cost_cache: With tree_budget="auto", keep the target's measured cost curves and what each
+            chooser learnt on disk (in `$XDG_CACHE_HOME/transformers_specblock/`, per hardware, target architecture,
+            dtype, device, batch size and, for the learnt estimates, drafter weights and settings), so a new process
+            reads them instead of timing the target and warming up again; False starts afresh in every process and
+            writes nothing.
         prompt_lookup_num_tokens: Free candidates from prompt lookup (0 = off): where the text's last n-gram occurred
             before (in the prompt or the generated text), the up to this many tokens that followed it become a chain
             of the tree, beside the drafter's nodes (merged where they agree).
