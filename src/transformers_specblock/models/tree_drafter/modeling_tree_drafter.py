@@ -21,6 +21,7 @@ from ...hub.modelcard import build_model_card
 from ...hub.provenance import resolve_base_model_id
 from ...hub.shipped import resolve_drafter_path
 from ...utils import PATCH_FREE_ROUTE, SUPPORTED_TRANSFORMERS
+from .checkpoint_io import split_hub_kwargs
 from .configuration_tree_drafter import TreeDrafterConfig
 from .generation_config import DRAFTING_SETTINGS, TreeGenerationConfig
 from .serving_state import ServingState, ServingStates
@@ -40,9 +41,6 @@ def training_stat_names(num_slots: int) -> list[str]:
         + [f"ce_count_slot{k}" for k in range(num_slots)]
         + ["accept_sum", "accept_count", "rank_correct", "rank_count"]
     )
-
-
-HUB_KWARGS = ("cache_dir", "force_download", "local_files_only", "token", "revision", "subfolder")
 
 
 class TreeDraftModel(PreTrainedModel):
@@ -143,7 +141,7 @@ class TreeDraftModel(PreTrainedModel):
         """
         path = resolve_drafter_path(pretrained_model_name_or_path)
         settings = {name: kwargs.pop(name) for name in DRAFTING_SETTINGS if name in kwargs}
-        hub_kwargs = {name: kwargs[name] for name in HUB_KWARGS if name in kwargs}
+        hub_kwargs, _ = split_hub_kwargs(kwargs)
         if not strict:
             model = super().from_pretrained(path, *args, **kwargs)
             loaded = model[0] if isinstance(model, tuple) else model
