@@ -122,6 +122,14 @@ def logged_losses(out) -> list[float]:
 
 
 # ------------------------------------------------------------------------------------------------ loss parts
+def test_jsonl_strings_may_hold_unicode_line_separators(tmp_path):
+    record = {"conversations": [{"from": "human", "value": "a\u2028b"}, {"from": "gpt", "value": "c\x85d"}]}
+    path = tmp_path / "chats.jsonl"
+    path.write_text(json.dumps(record, ensure_ascii=False) + "\n" + json.dumps(record) + "\n", encoding="utf-8")
+    chats = load_conversations(str(path))
+    assert chats == [[{"role": "user", "content": "a\u2028b"}, {"role": "assistant", "content": "c\x85d"}]] * 2
+
+
 def test_valid_prefix_drops_everything_after_first_miss():
     correct = torch.tensor([[True, True, False, True], [False, True, True, True], [True, True, True, True]])
     logits = torch.full((3, 5, 4, 3), -5.0)  # 3 rows, 5 positions, 4 slots, draft vocab 3; the target says 0
