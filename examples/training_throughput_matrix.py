@@ -60,12 +60,22 @@ def main() -> None:
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"])
     parser.add_argument("--features", nargs="+", default=["online", "precomputed"], choices=["online", "precomputed"])
     parser.add_argument("--threads", nargs="+", type=int, default=[1, 2])
+    parser.add_argument(
+        "--more_threads_features", nargs="+", default=["online"], choices=["online", "precomputed"],
+        help="Feature modes also run at the --threads above 1 (the rest at the first thread count only).",
+    )
     parser.add_argument("--conversations", type=int, default=16)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=2)
     options = parser.parse_args()
     torch.set_num_threads(1)
-    configs = list(itertools.product(options.drafters, options.dtypes, options.features, options.threads))
+    configs = [
+        (drafter, dtype, features, threads)
+        for drafter, dtype, features, threads in itertools.product(
+            options.drafters, options.dtypes, options.features, options.threads
+        )
+        if threads == options.threads[0] or features in options.more_threads_features
+    ]
     load_before = os.getloadavg()
     speedup = bf16_matmul_speedup()
     raw: dict[str, list[float]] = {}

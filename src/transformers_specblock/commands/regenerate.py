@@ -131,7 +131,7 @@ def finished_ids(output: Path) -> set[str]:
     if len(complete) < len(data):
         with output.open("r+b") as f:
             f.truncate(len(complete))
-    return {json.loads(line)["id"] for line in complete.decode().splitlines() if line.strip()}
+    return {json.loads(line)["id"] for line in complete.decode().split("\n") if line.strip()}
 
 
 def batches(todo: list[Prompt], batch_size: int) -> list[list[Prompt]]:
