@@ -11,7 +11,7 @@
 #      a new run from them with a short warm-up (WARMUP_AFTER_LOSS steps) over the steps left, recorded in
 #      docs/results/campaign/sessions.jsonl and in the run's own records (its command names --init_drafter);
 #   3. else the shipped drafter (the first start).
-# The data (CAMPAIGN_DIR/data/train.jsonl) is built first if missing: examples/campaign_data.py.
+# DRY_RUN=1 prints the command instead. The data (CAMPAIGN_DIR/data/train.jsonl) is built first if missing: examples/campaign_data.py.
 # Afterwards, `python examples/campaign_curve.py DRAFTER CAMPAIGN_DIR` appends the new held-out evaluations to
 # docs/results/campaign/DRAFTER.jsonl (commit it), and with --weights copies the drafter's weights there.
 set -euo pipefail
@@ -65,6 +65,10 @@ else
   HOW="first start, from the shipped drafter"
 fi
 
+if [ -n "${DRY_RUN:-}" ]; then  # print what would run, start nothing
+  echo "$HOW:" "$PYTHON" -m transformers_specblock.train "${COMMON[@]}" "${RECIPE[@]}" "${START[@]}" --output_dir "$OUT"
+  exit 0
+fi
 mkdir -p "$REPO/docs/results/campaign"
 echo "{\"date\": \"$(date -u +%FT%TZ)\", \"drafter\": \"$DRAFTER\", \"output_dir\": \"$OUT\", \"start\": \"$HOW\"}" \
   >> "$REPO/docs/results/campaign/sessions.jsonl"

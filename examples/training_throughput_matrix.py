@@ -105,13 +105,19 @@ def main() -> None:
                     info = json.loads((cache / "features_info.json").read_text())
                     extraction.setdefault(f"{dtype} / {threads} thread(s)", []).append(info["num_tokens"] / info["seconds"])
                 progress.update()
+                write_results(options, configs, raw, extraction, speedup, load_before)
         progress.close()
 
+
+def write_results(options, configs, raw, extraction, speedup, load_before) -> None:
+    """Write ``results.json`` and ``table.md`` from the runs so far (after every run: a stopped run keeps them)."""
     hardware = describe_device("cpu")
     median = {name: statistics.median(values) for name, values in raw.items()}
     lines = ["| drafter | dtype | features | threads | training tok/s | vs float32 online 1 thread |", "|---|---|---|---|---|---|"]
     for drafter, dtype, features, threads in configs:
         name = f"{drafter} / {dtype} / {features} / {threads} thread{'s' if threads > 1 else ''}"
+        if name not in median:
+            continue
         base = median.get(f"{drafter} / float32 / online / 1 thread")
         ratio = f"{median[name] / base:.2f}x" if base else "-"
         lines.append(f"| {drafter} | {dtype} | {features} | {threads} | {median[name]:.0f} | {ratio} |")
@@ -122,7 +128,7 @@ def main() -> None:
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "bf16_matmul_speedup": round(speedup, 2),
         "load_average_before": load_before,
-        "load_average_after": os.getloadavg(),
+        "load_average_now": os.getloadavg(),
         "conversations": options.conversations,
         "steps": options.steps,
         "rounds": options.rounds,
@@ -133,8 +139,6 @@ def main() -> None:
     output.mkdir(parents=True, exist_ok=True)
     (output / "results.json").write_text(json.dumps(results, indent=1) + "\n")
     (output / "table.md").write_text(table)
-    print(table)
-    print(json.dumps({k: results[k] for k in ("bf16_matmul_speedup", "extraction_tokens_per_second")}))
 
 
 if __name__ == "__main__":
