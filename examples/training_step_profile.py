@@ -51,6 +51,7 @@ def main() -> None:
             rows.append(row)
         if len(rows) == 2:
             break
+    model.bind_target(target, place=False)  # the drafter stays float32 (bfloat16 only under autocast)
     bf16 = options.dtype == "bfloat16"
     with tempfile.TemporaryDirectory() as tmp:
         args = SpecBlockTrainingArguments(
