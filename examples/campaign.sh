@@ -44,13 +44,14 @@ fi
 COMMON=(--target_model smollm2-135m-instruct --dataset "$DATA" --eval_dataset sharegpt-heldout --eval_samples 64
   --max_length 512 --per_device_train_batch_size 2 --learning_rate 7e-4 --lr_scheduler_type cosine
   --max_steps "$MAX_STEPS" --save_steps "$SAVE_STEPS" --save_total_limit 2 --logging_steps 5 --eval_strategy steps
-  --eval_steps 100 --save_dtype bfloat16 --features online --dtype bfloat16 --bf16 --seed 0 --report_to none
+  --eval_steps 50 --save_dtype bfloat16 --features online --dtype bfloat16 --bf16 --seed 0 --report_to none
   --dataloader_num_workers 0 --use_cpu)
 
 mkdir -p "$OUT"
 if PYTHONPATH=$REPO/src "$PYTHON" -c "import sys; from transformers_specblock.training.trainer import \
 last_complete_checkpoint as last; sys.exit(last(sys.argv[1]) is None)" "$OUT"; then
-  START=(--resume_from_checkpoint last --warmup_steps 100)
+  INIT=$(cat "$OUT/init_drafter")  # the run is rebuilt as it started, then the checkpoint's weights load
+  START=(--init_drafter "$INIT" --resume_from_checkpoint last --warmup_steps 100)
   HOW="resumed from its newest complete checkpoint"
 elif [ -f "$COMMITTED/config.json" ]; then
   DONE=$(PYTHONPATH=$REPO/src "$PYTHON" -c "import json, sys; print(json.load(open(sys.argv[1]))['campaign_steps'])" \
@@ -59,9 +60,11 @@ elif [ -f "$COMMITTED/config.json" ]; then
   mkdir -p "$OUT"
   START=(--init_drafter "$COMMITTED" --warmup_steps "$WARMUP_AFTER_LOSS" --max_steps $((MAX_STEPS - DONE))
     --resume_from_checkpoint last)
+  echo "$COMMITTED" > "$OUT/init_drafter"
   HOW="no checkpoint: from the committed weights (campaign step $DONE) with $WARMUP_AFTER_LOSS warm-up steps"
 else
   START=(--init_drafter "$DRAFTER-smollm2-135m-instruct" --resume_from_checkpoint last --warmup_steps 100)
+  echo "$DRAFTER-smollm2-135m-instruct" > "$OUT/init_drafter"
   HOW="first start, from the shipped drafter"
 fi
 
