@@ -100,7 +100,8 @@ def main() -> None:
 
     _, tokenizer = load_model(options.target_model, device="cpu", dtype="float32")
     stats = {name: count_tokens(records, tokenizer, options.max_length, name) for name, records in sources.items()}
-    stats["total"] = {key: sum(s[key] for s in stats.values()) for key in ("conversations", "tokens", "assistant_tokens")}
+    keys = ("conversations", "tokens", "assistant_tokens")
+    stats["total"] = {key: sum(s[key] for s in stats.values()) for key in keys}
     stats["max_length"] = options.max_length
     tmp = out / "train.jsonl.tmp"
     with tmp.open("w", encoding="utf-8") as f:

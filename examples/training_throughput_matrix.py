@@ -47,7 +47,8 @@ def run(args: list[str], threads: int, log: Path) -> float:
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
     start = time.perf_counter()
     with log.open("w") as out:
-        code = subprocess.call([sys.executable, "-m", "transformers_specblock.train", *args], env=env, stdout=out, stderr=out)
+        command = [sys.executable, "-m", "transformers_specblock.train", *args]
+        code = subprocess.call(command, env=env, stdout=out, stderr=out)
     if code:
         raise RuntimeError(f"training exited with {code}; its output: {log}\n{log.read_text()[-3000:]}")
     return time.perf_counter() - start
@@ -103,7 +104,8 @@ def main() -> None:
                 raw.setdefault(name, []).append(training_tokens_per_second(out))
                 if features == "precomputed" and not built:
                     info = json.loads((cache / "features_info.json").read_text())
-                    extraction.setdefault(f"{dtype} / {threads} thread(s)", []).append(info["num_tokens"] / info["seconds"])
+                    rate = info["num_tokens"] / info["seconds"]
+                    extraction.setdefault(f"{dtype} / {threads} thread(s)", []).append(rate)
                 progress.update()
                 write_results(options, configs, raw, extraction, speedup, load_before)
         progress.close()
@@ -113,7 +115,10 @@ def write_results(options, configs, raw, extraction, speedup, load_before) -> No
     """Write ``results.json`` and ``table.md`` from the runs so far (after every run: a stopped run keeps them)."""
     hardware = describe_device("cpu")
     median = {name: statistics.median(values) for name, values in raw.items()}
-    lines = ["| drafter | dtype | features | threads | training tok/s | vs float32 online 1 thread |", "|---|---|---|---|---|---|"]
+    lines = [
+        "| drafter | dtype | features | threads | training tok/s | vs float32 online 1 thread |",
+        "|---|---|---|---|---|---|",
+    ]
     for drafter, dtype, features, threads in configs:
         name = f"{drafter} / {dtype} / {features} / {threads} thread{'s' if threads > 1 else ''}"
         if name not in median:
