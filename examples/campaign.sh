@@ -25,6 +25,7 @@ DATA=$ROOT/data/train.jsonl
 MAX_STEPS=${MAX_STEPS:-4400}           # x 2 conversations x ~480 tokens = about 4.2M training tokens
 SAVE_STEPS=${SAVE_STEPS:-10}           # SpecBlock: 10 steps = 3-5 minutes on one shared core
 WARMUP_AFTER_LOSS=${WARMUP_AFTER_LOSS:-20}
+LEARNING_RATE=${LEARNING_RATE:-7e-4}      # peak; a resumed run keeps the one it started with (optimizer state)
 COMMITTED=$REPO/docs/results/campaign/$DRAFTER
 
 case $DRAFTER in
@@ -42,7 +43,7 @@ if [ ! -f "$DATA" ]; then
 fi
 
 COMMON=(--target_model smollm2-135m-instruct --dataset "$DATA" --eval_dataset sharegpt-heldout --eval_samples 64
-  --max_length 512 --per_device_train_batch_size 2 --learning_rate 7e-4 --lr_scheduler_type cosine
+  --max_length 512 --per_device_train_batch_size 2 --learning_rate "$LEARNING_RATE" --lr_scheduler_type cosine
   --max_steps "$MAX_STEPS" --save_steps "$SAVE_STEPS" --save_total_limit 2 --logging_steps 5 --eval_strategy steps
   --eval_steps 50 --save_dtype bfloat16 --features online --dtype bfloat16 --bf16 --seed 0 --report_to none
   --dataloader_num_workers 0 --use_cpu)
