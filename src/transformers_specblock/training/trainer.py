@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import json
 import math
+import os
+import re
 import time
 from typing import Any
 
 import torch
 from transformers import PreTrainedModel, Trainer, TrainerCallback
-from transformers.trainer_utils import EvalLoopOutput
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, EvalLoopOutput
 
 from ..models.specblock.modeling_specblock import SpecBlockDraftModel
 from .features import _target_head, draft_target_logits, target_argmax, target_features
@@ -45,6 +48,32 @@ class _TimeBudget(TrainerCallback):
     def on_step_end(self, args, state, control, **kwargs):  # noqa: D102
         if self.trainer.training_seconds() >= args.max_train_minutes * 60:
             control.should_training_stop = control.should_save = True
+
+
+CHECKPOINT_COMPLETE = "checkpoint_complete.json"
+"""Written (atomically) into a checkpoint folder once everything else in it is on disk; a folder without it is a save
+that was interrupted, which `last_complete_checkpoint` passes over."""
+
+
+def last_complete_checkpoint(output_dir: str | os.PathLike) -> str | None:
+    """The checkpoint folder of ``output_dir`` with the highest step whose save completed, or None."""
+    if not os.path.isdir(output_dir):
+        return None
+    steps = []
+    for name in os.listdir(output_dir):
+        match = re.fullmatch(rf"{PREFIX_CHECKPOINT_DIR}-(\d+)", name)
+        if match and os.path.isfile(os.path.join(output_dir, name, CHECKPOINT_COMPLETE)):
+            steps.append(int(match.group(1)))
+    return os.path.join(output_dir, f"{PREFIX_CHECKPOINT_DIR}-{max(steps)}") if steps else None
+
+
+def _write_atomically(path: str, text: str) -> None:
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
 
 
 def session_records(log_history: list[dict[str, Any]], final_step: int) -> list[dict[str, Any]]:
@@ -202,7 +231,13 @@ class SpecBlockTrainer(Trainer):
         # the time up to this checkpoint, so a resume from it counts the steps after the last log too
         seconds = round(self.training_seconds(), 1)
         self.state.log_history.append({"step": self.state.global_step, "train_seconds": seconds})
+        folder = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+        marker = os.path.join(folder, CHECKPOINT_COMPLETE)
+        if self.args.should_save and os.path.exists(marker):  # a save over an older one: incomplete until done
+            os.remove(marker)
         super()._save_checkpoint(model, trial)
+        if self.args.should_save and os.path.isdir(folder):  # rotation may have removed it (save_total_limit 0)
+            _write_atomically(marker, json.dumps({"step": self.state.global_step, "train_seconds": seconds}))
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:  # noqa: D102
         if "loss" in logs:  # a training-progress log: every process calls it

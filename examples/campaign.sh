@@ -1,0 +1,82 @@
+#!/usr/bin/env bash
+# The drafter training campaign: start it, or continue it where it stopped, in the background.
+#
+#   examples/campaign.sh [specblock|eagle3] [CAMPAIGN_DIR]        (defaults: specblock /work/campaign)
+#
+# One training process, one thread, `nice -n 19`, its log in CAMPAIGN_DIR/DRAFTER/train.log (tqdm progress).
+# Where it starts from, in this order:
+#   1. the newest COMPLETE checkpoint in CAMPAIGN_DIR/DRAFTER (`--resume_from_checkpoint last`: a checkpoint every
+#      SAVE_STEPS steps, a few minutes; one whose save was interrupted is passed over), same schedule and data order;
+#   2. else the campaign's last committed weights, docs/results/campaign/DRAFTER/ (when a machine lost its files):
+#      a new run from them with a short warm-up (WARMUP_AFTER_LOSS steps) over the steps left, recorded in
+#      docs/results/campaign/sessions.jsonl and in the run's own records (its command names --init_drafter);
+#   3. else the shipped drafter (the first start).
+# DRY_RUN=1 prints the command instead. The data (CAMPAIGN_DIR/data/train.jsonl) is built first if missing: examples/campaign_data.py.
+# Afterwards, `python examples/campaign_curve.py DRAFTER CAMPAIGN_DIR` appends the new held-out evaluations to
+# docs/results/campaign/DRAFTER.jsonl (commit it), and with --weights copies the drafter's weights there.
+set -euo pipefail
+
+DRAFTER=${1:-specblock}
+ROOT=${2:-/work/campaign}
+REPO=$(cd "$(dirname "$0")/.." && pwd)
+PYTHON=${PYTHON:-python}
+OUT=$ROOT/$DRAFTER
+DATA=$ROOT/data/train.jsonl
+MAX_STEPS=${MAX_STEPS:-4400}           # x 2 conversations x ~480 tokens = about 4.2M training tokens
+SAVE_STEPS=${SAVE_STEPS:-10}           # SpecBlock: 10 steps = 3-5 minutes on one shared core
+WARMUP_AFTER_LOSS=${WARMUP_AFTER_LOSS:-20}
+LEARNING_RATE=${LEARNING_RATE:-7e-4}      # peak; a resumed run keeps the one it started with (optimizer state)
+COMMITTED=$REPO/docs/results/campaign/$DRAFTER
+
+case $DRAFTER in
+  specblock) RECIPE=(--block_size 4 --num_blocks 2 --slot_normalization slot0 --fusion_identity_init) ;;
+  eagle3) RECIPE=(--drafter eagle3) ;;
+  *) echo "usage: $0 [specblock|eagle3] [CAMPAIGN_DIR]" >&2; exit 2 ;;
+esac
+
+if pgrep -f -- "--output_dir $OUT( |$)" > /dev/null; then
+  echo "a campaign run of $DRAFTER is already running (output $OUT)" >&2
+  exit 1
+fi
+if [ ! -f "$DATA" ]; then
+  PYTHONPATH=$REPO/src OMP_NUM_THREADS=1 nice -n 19 "$PYTHON" "$REPO/examples/campaign_data.py" --output_dir "$ROOT/data"
+fi
+
+COMMON=(--target_model smollm2-135m-instruct --dataset "$DATA" --eval_dataset sharegpt-heldout --eval_samples 64
+  --max_length 512 --per_device_train_batch_size 2 --learning_rate "$LEARNING_RATE" --lr_scheduler_type cosine
+  --max_steps "$MAX_STEPS" --save_steps "$SAVE_STEPS" --save_total_limit 2 --logging_steps 5 --eval_strategy steps
+  --eval_steps 50 --save_dtype bfloat16 --features online --dtype bfloat16 --bf16 --seed 0 --report_to none
+  --dataloader_num_workers 0 --use_cpu)
+
+mkdir -p "$OUT"
+if PYTHONPATH=$REPO/src "$PYTHON" -c "import sys; from transformers_specblock.training.trainer import \
+last_complete_checkpoint as last; sys.exit(last(sys.argv[1]) is None)" "$OUT"; then
+  INIT=$(cat "$OUT/init_drafter")  # the run is rebuilt as it started, then the checkpoint's weights load
+  START=(--init_drafter "$INIT" --resume_from_checkpoint last --warmup_steps 100)
+  HOW="resumed from its newest complete checkpoint"
+elif [ -f "$COMMITTED/config.json" ]; then
+  DONE=$(PYTHONPATH=$REPO/src "$PYTHON" -c "import json, sys; print(json.load(open(sys.argv[1]))['campaign_steps'])" \
+    "$COMMITTED/campaign.json")
+  OUT=$ROOT/$DRAFTER-from-step-$DONE
+  mkdir -p "$OUT"
+  START=(--init_drafter "$COMMITTED" --warmup_steps "$WARMUP_AFTER_LOSS" --max_steps $((MAX_STEPS - DONE))
+    --resume_from_checkpoint last)
+  echo "$COMMITTED" > "$OUT/init_drafter"
+  HOW="no checkpoint: from the committed weights (campaign step $DONE) with $WARMUP_AFTER_LOSS warm-up steps"
+else
+  START=(--init_drafter "$DRAFTER-smollm2-135m-instruct" --resume_from_checkpoint last --warmup_steps 100)
+  echo "$DRAFTER-smollm2-135m-instruct" > "$OUT/init_drafter"
+  HOW="first start, from the shipped drafter"
+fi
+
+if [ -n "${DRY_RUN:-}" ]; then  # print what would run, start nothing
+  echo "$HOW:" "$PYTHON" -m transformers_specblock.train "${COMMON[@]}" "${RECIPE[@]}" "${START[@]}" --output_dir "$OUT"
+  exit 0
+fi
+mkdir -p "$REPO/docs/results/campaign"
+echo "{\"date\": \"$(date -u +%FT%TZ)\", \"drafter\": \"$DRAFTER\", \"output_dir\": \"$OUT\", \"start\": \"$HOW\"}" \
+  >> "$REPO/docs/results/campaign/sessions.jsonl"
+cd "$REPO"
+PYTHONPATH=$REPO/src OMP_NUM_THREADS=1 nohup nice -n 19 "$PYTHON" -m transformers_specblock.train \
+  "${COMMON[@]}" "${RECIPE[@]}" "${START[@]}" --output_dir "$OUT" >> "$OUT/train.log" 2>&1 &
+echo "$DRAFTER: $HOW; pid $!, log $OUT/train.log"

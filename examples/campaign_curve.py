@@ -1,0 +1,101 @@
+"""Append a campaign run's new held-out evaluations to ``docs/results/campaign/DRAFTER.jsonl`` (appendable, committed).
+
+    python examples/campaign_curve.py specblock /work/campaign [--weights]
+
+Reads every run folder of the drafter under the campaign folder (``DRAFTER`` and ``DRAFTER-from-step-N``, see
+``examples/campaign.sh``): the ``trainer_state.json`` of the run itself if it finished, else of its newest complete
+checkpoint. One JSON line per evaluation: the campaign step, the drafter's training tokens in total (the shipped
+drafter's before the campaign + the campaign's), CPU-side training seconds of the campaign, held-out slot-0 top-1
+and the estimated greedy-chain length, plus the run and the host it ran on. Lines already in the file (same run and
+step) are not written again. ``--weights`` also copies the newest checkpoint's drafter, in bfloat16, to
+``docs/results/campaign/DRAFTER/`` with ``campaign.json`` (its campaign step and tokens): what ``campaign.sh``
+continues from when no checkpoint survives.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+from pathlib import Path
+
+import torch
+
+from transformers_specblock.training.run import DRAFTERS, save_drafter
+from transformers_specblock.training.trainer import SESSION_KEY, last_complete_checkpoint
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "docs/results/campaign"
+SHIPPED_TOKENS = {"specblock": 337_356, "eagle3": 673_750}  # the shipped v2 drafters' training tokens (their cards)
+
+
+def run_folders(root: Path, drafter: str) -> list[tuple[Path, int]]:
+    """(run folder, campaign step it started from), oldest first."""
+    runs = [(root / drafter, 0)] if (root / drafter).is_dir() else []
+    for path in root.glob(f"{drafter}-from-step-*"):
+        runs.append((path, int(re.fullmatch(rf"{drafter}-from-step-(\d+)", path.name).group(1))))
+    return sorted(runs, key=lambda run: run[1])
+
+
+def state_of(run: Path) -> tuple[dict, Path] | None:
+    """The run's newest trainer state and where it lives (the run if finished, else its newest complete checkpoint)."""
+    checkpoint = last_complete_checkpoint(run)
+    candidates = [Path(p) / "trainer_state.json" for p in (checkpoint,) if p] + [run / "trainer_state.json"]
+    states = [(json.loads(p.read_text()), p.parent) for p in candidates if p.is_file()]
+    return max(states, key=lambda s: s[0]["global_step"]) if states else None
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("drafter", choices=sorted(SHIPPED_TOKENS))
+    parser.add_argument("root", type=Path, nargs="?", default=Path("/work/campaign"))
+    parser.add_argument("--weights", action="store_true")
+    options = parser.parse_args()
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    curve = RESULTS / f"{options.drafter}.jsonl"
+    lines = [json.loads(line) for line in curve.read_text().splitlines()] if curve.is_file() else []
+    known = {(line["run"], line["step"]) for line in lines}
+    tokens_before = seconds_before = 0
+    newest = None
+    added = 0
+    with curve.open("a") as sink:
+        for run, first_step in run_folders(options.root, options.drafter):
+            found = state_of(run)
+            if found is None:
+                continue
+            state, where = found
+            history = state["log_history"]
+            hosts = [entry[SESSION_KEY].get("hardware") for entry in history if SESSION_KEY in entry]
+            tokens = seconds = 0
+            for entry in history:
+                tokens = entry.get("num_input_tokens_seen", tokens)
+                seconds = entry.get("train_seconds", seconds)
+                if "eval_acc_slot0" not in entry or (run.name, first_step + entry["step"]) in known:
+                    continue
+                line = {
+                    "run": run.name, "step": first_step + entry["step"],
+                    "tokens": SHIPPED_TOKENS[options.drafter] + tokens_before + tokens,
+                    "campaign_tokens": tokens_before + tokens, "train_seconds": seconds_before + seconds,
+                    "eval_acc_slot0": entry["eval_acc_slot0"], "eval_accept_length": entry.get("eval_accept_length"),
+                    "hosts": sorted({h for h in hosts if h}),
+                }  # fmt: skip
+                sink.write(json.dumps(line) + "\n")
+                known.add((run.name, line["step"]))
+                added += 1
+            tokens_before, seconds_before = tokens_before + tokens, seconds_before + seconds
+            newest = (where, first_step + state["global_step"], tokens_before)
+    print(f"{curve}: {added} new evaluations")
+    if options.weights and newest is not None:
+        where, step, tokens = newest
+        target = RESULTS / options.drafter
+        save_drafter(DRAFTERS[options.drafter][1].from_pretrained(where), target, torch.bfloat16)
+        info = {"campaign_steps": step, "campaign_tokens": tokens, "from": str(where)}
+        tmp = target / "campaign.json.tmp"
+        tmp.write_text(json.dumps(info) + "\n")
+        os.replace(tmp, target / "campaign.json")
+        print(f"weights of {where} (campaign step {step}) -> {target}")
+
+
+if __name__ == "__main__":
+    main()
