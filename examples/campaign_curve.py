@@ -5,7 +5,8 @@
 Reads every run folder of the drafter under the campaign folder (``DRAFTER`` and ``DRAFTER-from-step-N``, see
 ``examples/campaign.sh``): the ``trainer_state.json`` of the run itself if it finished, else of its newest complete
 checkpoint. One JSON line per evaluation: the campaign step, the drafter's training tokens in total (the shipped
-drafter's before the campaign + the campaign's), CPU-side training seconds of the campaign, held-out slot-0 top-1
+drafter's before the campaign + the campaign's), the campaign's training seconds (wall clock, and the process's CPU
+time: what a run spent on a shared machine), the learning rate of the last training log, held-out slot-0 top-1
 and the estimated greedy-chain length, plus the run and the host it ran on. Lines already in the file (same run and
 step) are not written again. ``--weights`` also copies the newest checkpoint's drafter, in bfloat16, to
 ``docs/results/campaign/DRAFTER/`` with ``campaign.json`` (its campaign step and tokens): what ``campaign.sh``
@@ -56,7 +57,7 @@ def main() -> None:
     curve = RESULTS / f"{options.drafter}.jsonl"
     lines = [json.loads(line) for line in curve.read_text().splitlines()] if curve.is_file() else []
     known = {(line["run"], line["step"]) for line in lines}
-    tokens_before = seconds_before = 0
+    tokens_before = seconds_before = cpu_before = 0
     newest = None
     added = 0
     with curve.open("a") as sink:
@@ -67,23 +68,27 @@ def main() -> None:
             state, where = found
             history = state["log_history"]
             hosts = [entry[SESSION_KEY].get("hardware") for entry in history if SESSION_KEY in entry]
-            tokens = seconds = 0
+            tokens = seconds = cpu = 0
+            rate = None
             for entry in history:
                 tokens = entry.get("num_input_tokens_seen", tokens)
                 seconds = entry.get("train_seconds", seconds)
+                cpu = entry.get("train_cpu_seconds", cpu)
+                rate = entry.get("learning_rate", rate)
                 if "eval_acc_slot0" not in entry or (run.name, first_step + entry["step"]) in known:
                     continue
                 line = {
                     "run": run.name, "step": first_step + entry["step"],
                     "tokens": SHIPPED_TOKENS[options.drafter] + tokens_before + tokens,
                     "campaign_tokens": tokens_before + tokens, "train_seconds": seconds_before + seconds,
+                    "train_cpu_seconds": cpu_before + cpu, "learning_rate": float(rate) if rate else None,
                     "eval_acc_slot0": entry["eval_acc_slot0"], "eval_accept_length": entry.get("eval_accept_length"),
                     "hosts": sorted({h for h in hosts if h}),
                 }  # fmt: skip
                 sink.write(json.dumps(line) + "\n")
                 known.add((run.name, line["step"]))
                 added += 1
-            tokens_before, seconds_before = tokens_before + tokens, seconds_before + seconds
+            tokens_before, seconds_before, cpu_before = tokens_before + tokens, seconds_before + seconds, cpu_before + cpu
             newest = (where, first_step + state["global_step"], tokens_before)
     print(f"{curve}: {added} new evaluations")
     if options.weights and newest is not None:

@@ -351,6 +351,7 @@ def run_training(
     metrics["train_seconds_per_step"] = seconds / max(1.0, steps)
     metrics["train_tokens"] = trainer.state.num_input_tokens_seen  # all sessions, all processes
     metrics["train_seconds"] = trainer.training_seconds()  # all sessions
+    metrics["train_cpu_seconds"] = trainer.training_cpu_seconds()
     if eval_set is not None:  # the evaluation of the last step where the Trainer just ran one (minutes on a CPU)
         metrics.update(evaluation_at(trainer.state.log_history, trainer.state.global_step) or trainer.evaluate())
     metrics["train_steps"] = trainer.state.global_step

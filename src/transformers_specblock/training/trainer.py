@@ -114,8 +114,8 @@ class SpecBlockTrainer(Trainer):
         self.layer_ids = list(drafter.config.target_layer_ids)
         self._stats: dict[str, torch.Tensor | None] = {"train": None, "eval": None}
         self.train_micro_batches = 0  # in this session, this process
-        self._session_start = time.perf_counter()
-        self._earlier_seconds: float | None = None  # training time of the sessions before a resume
+        self._session_start, self._session_cpu_start = time.perf_counter(), time.process_time()
+        self._earlier: dict[str, float] | None = None  # training time of the sessions before a resume
         self.session_record: dict[str, Any] | None = None  # set by run_training before train()
         self.add_callback(_SessionRecorder(self))
         if getattr(self.args, "max_train_minutes", None) is not None:
@@ -191,16 +191,28 @@ class SpecBlockTrainer(Trainer):
         return output
 
     def train(self, *args: Any, **kwargs: Any):  # noqa: D102
-        self._session_start, self._earlier_seconds = time.perf_counter(), None
+        self._session_start, self._session_cpu_start = time.perf_counter(), time.process_time()
+        self._earlier = None
         return super().train(*args, **kwargs)
 
+    def _earlier_sessions(self, key: str) -> float:
+        """A clock's total over the sessions before a resume, from the restored log history (its last ``key``: a
+        log or the entry `_save_checkpoint` adds)."""
+        if self._earlier is None:
+            self._earlier = {}
+        if key not in self._earlier:
+            logged = (h[key] for h in reversed(self.state.log_history) if key in h)
+            self._earlier[key] = next(logged, 0.0)
+        return self._earlier[key]
+
     def training_seconds(self) -> float:
-        """Wall-clock training time so far, across resumes: earlier sessions' time comes from the restored log
-        history (its last ``train_seconds``: a log or the entry `_save_checkpoint` adds)."""
-        if self._earlier_seconds is None:
-            logged = (h["train_seconds"] for h in reversed(self.state.log_history) if "train_seconds" in h)
-            self._earlier_seconds = next(logged, 0.0)
-        return self._earlier_seconds + time.perf_counter() - self._session_start
+        """Wall-clock training time so far, across resumes."""
+        return self._earlier_sessions("train_seconds") + time.perf_counter() - self._session_start
+
+    def training_cpu_seconds(self) -> float:
+        """CPU time of this process's training so far, across resumes: the compute a run spent, which wall time
+        does not measure on a shared machine."""
+        return self._earlier_sessions("train_cpu_seconds") + time.process_time() - self._session_cpu_start
 
     def time_progress(self) -> float:
         """Share of ``max_train_minutes`` spent so far, in [0, 1]."""
@@ -230,17 +242,22 @@ class SpecBlockTrainer(Trainer):
     def _save_checkpoint(self, model, trial) -> None:  # noqa: D102
         # the time up to this checkpoint, so a resume from it counts the steps after the last log too
         seconds = round(self.training_seconds(), 1)
-        self.state.log_history.append({"step": self.state.global_step, "train_seconds": seconds})
+        cpu_seconds = round(self.training_cpu_seconds(), 1)
+        self.state.log_history.append(
+            {"step": self.state.global_step, "train_seconds": seconds, "train_cpu_seconds": cpu_seconds}
+        )
         folder = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
         marker = os.path.join(folder, CHECKPOINT_COMPLETE)
         if self.args.should_save and os.path.exists(marker):  # a save over an older one: incomplete until done
             os.remove(marker)
         super()._save_checkpoint(model, trial)
         if self.args.should_save and os.path.isdir(folder):  # rotation may have removed it (save_total_limit 0)
-            _write_atomically(marker, json.dumps({"step": self.state.global_step, "train_seconds": seconds}))
+            _write_atomically(marker, json.dumps({"step": self.state.global_step, "train_seconds": seconds,
+                                                  "train_cpu_seconds": cpu_seconds}))
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:  # noqa: D102
         if "loss" in logs:  # a training-progress log: every process calls it
             logs.update(self._reduced_metrics("train"))
             logs["train_seconds"] = round(self.training_seconds(), 1)
+            logs["train_cpu_seconds"] = round(self.training_cpu_seconds(), 1)
         super().log(logs, start_time)
