@@ -336,7 +336,7 @@ def test_the_loop_times_every_step_for_the_chooser(monkeypatch):
     chooser = auto_budget_for(drafter, target)
     chooser.measure = lambda batch_size: chooser.cost  # (no timing of other buckets: not what is tested here)
     reported = []
-    monkeypatch.setattr(AutoBudget, "observe_step", lambda self, size, seconds, drafting: reported.append((size, seconds)))
+    monkeypatch.setattr(AutoBudget, "observe_step", lambda self, size, seconds, drafting, catch_up: reported.append((size, seconds)))
     out = target.generate(prompts, assistant_model=drafter, max_new_tokens=24, do_sample=False)
     assert out.tolist() == reference.tolist()
     stats = drafter.last_stats
@@ -391,6 +391,30 @@ def test_an_exploration_that_took_longer_than_expected_waits_longer():
     assert chooser.exploration_extra.median(chooser.clock) == pytest.approx(0.4)
     chosen = [chooser.next_budget(explore_interval=4, explore_share=0.05) for _ in range(100)]
     assert [i + 13 for i, b in enumerate(chosen) if b] == [8 + 80]  # 0.4 s beyond: 80 steps after step 8 at 5%
+
+
+def test_an_exploration_pays_for_the_positions_the_drafter_has_not_read():
+    """A catch-up read teaches the drafter's seconds per position (apart from the exploring tree's extra): the next
+    exploration is charged for every position then unread, so a new call's first one waits until the steps since
+    can pay for reading its prompt; every `explore_interval / explore_share` steps one comes whatever it costs."""
+    cost = TargetCost([0, 8], [0.10, 0.12])
+    chooser = AutoBudget([0, 8], cost, warmup=0)
+    for _ in range(4):
+        chooser.observe(chain_tree(8), [], drafting_seconds=0.02, budget=8)  # tau 1: budget 0 is best
+    chooser.set_batch_size(1)
+    chosen = [chooser.next_budget(explore_interval=8, explore_share=0.05, unread=200) for _ in range(12)]
+    assert [i + 1 for i, b in enumerate(chosen) if b] == [8]  # no reading cost learnt yet: as before
+    chooser.observe_step(8, 0.12, drafting_seconds=0.42, catch_up=(200, 0.4))  # 2 ms per position read
+    assert chooser.reading.mean(chooser.clock) == pytest.approx(0.002)
+    assert chooser.exploration_extra.median(chooser.clock) == pytest.approx(0.04)  # the tree's extra alone
+    chosen = [chooser.next_budget(explore_interval=8, explore_share=0.05, unread=1) for _ in range(100)]
+    assert [i + 13 for i, b in enumerate(chosen) if b][:1] == [8 + 9]  # 0.042 s beyond: 9 steps at 5%
+    chooser.steps = chooser.explored_at = 0
+    chosen = [chooser.next_budget(explore_interval=8, explore_share=0.05, unread=200) for _ in range(100)]
+    assert [i + 1 for i, b in enumerate(chosen) if b][:1] == [88]  # 0.44 s beyond: 88 steps at 5%
+    chooser.steps = chooser.explored_at = 0
+    chosen = [chooser.next_budget(explore_interval=8, explore_share=0.05, unread=10**6) for _ in range(200)]
+    assert [i + 1 for i, b in enumerate(chosen) if b] == [160]  # overdue: 8 / 0.05 steps
 
 
 def test_speculating_must_promise_the_minimum_gain_over_plain_decoding():

@@ -212,7 +212,8 @@ def test_budget_zero_still_verifies_free_candidates_without_a_drafter_call(one_t
     generator = get_candidate_generator(drafter)
     prompt = _repetitive_prompt(24, 1)[0]
     generator.queue(torch.zeros(prompt.numel(), 3 * target.config.hidden_size), prompt, first_position=1)
-    tree, seconds = _draft(generator, prompt, 0, 16, torch.device("cpu"))
+    tree, seconds, catch_up = _draft(generator, prompt, 0, 16, torch.device("cpu"))
+    assert catch_up == (0, 0.0)  # nothing read
     assert tree.num_drafted > 0 and seconds is not None and seconds >= 0  # the free candidates' own time
     assert bool((tree.sources[1:] & SOURCE_BITS["drafter"] == 0).all())  # lookup nodes only
     assert generator.stats.drafter_forwards == 0 and len(generator.queued) == 1  # the drafter did not read

@@ -66,7 +66,7 @@ def best_budget(
 LEARNT_COUNTERS = ("trees", "clock", "steps", "explorations", "explored_at")
 LEARNT_MEANS = (
     "tau", "size", "drafting", "exploration_extra", "free_tau", "free_size", "free_part_tau", "free_part_size",
-    "free_seconds",
+    "free_seconds", "reading",
 )  # fmt: skip
 
 
@@ -137,6 +137,7 @@ class AutoBudget:
         self.free_part_tau = RecentMean(self.window, self.keep)  # ... as drafted trees' free parts tell (no time)
         self.free_part_size = RecentMean(self.window, self.keep)
         self.free_seconds = RecentMean(self.window, self.keep)  # seconds per row
+        self.reading = RecentMean(self.window, self.keep)  # drafter seconds per position it catches up on
 
     @property
     def largest(self) -> int:
@@ -195,16 +196,22 @@ class AutoBudget:
                 return self.cost(size) + stat.median(self.clock)
         return self.cost(size)
 
-    def observe_step(self, size: int, seconds: float, drafting_seconds: float = 0.0) -> None:
+    def observe_step(
+        self, size: int, seconds: float, drafting_seconds: float = 0.0, catch_up: tuple[int, float] = (0, 0.0)
+    ) -> None:
         """Record a step's `seconds` (drafting excluded) that verified `size` drafted nodes per row (the padded
         tree's): what it took beyond the cost curve of its batch (none where the curve says more); for an exploring
-        step also what it took with its drafting (a drafter that sat idle catches up on every skipped position
-        first) beyond a step at the choice."""
+        step also what it took with its drafting beyond a step at the choice. `catch_up`: the positions a drafter
+        that sat idle read first, and the seconds that took (part of `drafting_seconds`), learnt per position apart:
+        the next exploration is charged for the positions then unread (`next_budget`)."""
         key = (batch_bucket(self.batch_size), size > 0)
         overhead = max(0.0, seconds - self.cost(size))
         self.step_overhead.setdefault(key, RecentMean(self.window, self.keep)).add(self.clock, overhead)
+        positions, reading = catch_up
+        if positions:
+            self.reading.add(self.clock, reading / positions)
         if self.explored_from is not None:
-            extra = seconds + drafting_seconds - self.seconds(self.explored_from)
+            extra = seconds + drafting_seconds - reading - self.seconds(self.explored_from)
             self.exploration_extra.add(self.clock, max(0.0, extra))
             self.explored_from = None
 
@@ -325,13 +332,16 @@ class AutoBudget:
         return [tree.prune(best) for tree in trees]
 
     def next_budget(
-        self, explore_interval: int = DEFAULT_EXPLORE_INTERVAL, explore_share: float = DEFAULT_EXPLORE_SHARE
+        self, explore_interval: int = DEFAULT_EXPLORE_INTERVAL, explore_share: float = DEFAULT_EXPLORE_SHARE,
+        unread: int = 0,
     ) -> int:
         """The budget to draft with at this verified step (call once per step, budget-0 steps included): `choose()`,
         or, at least `explore_interval` steps after the previous exploration (`explore_interval x batch_size` in a
         batch, whose exploring step drafts for every row) and once the steps since then took 1 / `explore_share`
         times what the exploring step is expected to cost beyond a chosen one, a larger candidate (see the class
-        docstring; `PLAIN` sits below the ladder)."""
+        docstring; `PLAIN` sits below the ladder). That cost counts the `unread` positions (over the live rows) the
+        drafter would catch up on first: a new call's first exploration reads its whole prompt. Every
+        `explore_interval / explore_share` steps an exploration comes whatever it costs, so no choice is absorbing."""
         self.clock += 1
         best = self.choose()
         if self.trees < self.warmup:
@@ -349,7 +359,9 @@ class AutoBudget:
         extra = self.seconds(explored) - self.seconds(best)  # expected, and as the latest explorations took
         if self.exploration_extra.count:
             extra = max(extra, self.exploration_extra.median(self.clock))
-        if since * self.seconds(best) * explore_share < extra:
+        if self.reading.count:
+            extra += unread * self.reading.mean(self.clock)
+        if since * self.seconds(best) * explore_share < extra and since * explore_share < explore_interval:
             return best
         self.explorations, self.explored_at, self.explored_from = self.explorations + 1, self.steps, best
         return explored

@@ -39,6 +39,7 @@ from .verification import target_features, verify_trees
 REPACK_MIN_HOLES = 16  # cache columns every row hides before they are dropped (and at least a quarter of the cache)
 
 
+CATCH_UP_POSITIONS = 16  # a read this long measures the drafter's cost per position (a shorter one, its fixed cost)
 STATS_SCHEMA = 2  # the layout of `SpecBlockStats.as_dict()`
 
 
@@ -165,7 +166,7 @@ def tree_speculative_decoding(
         streamer.put(rows[0].sequence[-1:].cpu())
     live, visible = _retire(rows, loop.cache, visible)
     while live:
-        budget = loop.budget(len(live), generators[0].tree_budget, drafter.generation_config)
+        budget = loop.budget(live, generators[0].tree_budget, drafter.generation_config)
         step_started, drafting_before = time.perf_counter(), _drafting_seconds(generators)
         adapting_before = adapter.capture_seconds if adapter is not None else 0.0
         drafted = [_draft(row.generator, row.committed, budget, loop.largest(budget), model.device) for row in live]
@@ -174,7 +175,9 @@ def tree_speculative_decoding(
             drafting = _drafting_seconds(generators) - drafting_before  # chooser weighs trees by
             adapting = adapter.capture_seconds - adapting_before if adapter is not None else 0.0
             step_seconds = time.perf_counter() - step_started - drafting - adapting
-            auto_budget.observe_step(loop.verified_size, step_seconds, drafting)
+            catch_up = [read for _, _, read in drafted if read[0]]
+            catch_up = (sum(p for p, _ in catch_up), sum(s for _, s in catch_up))
+            auto_budget.observe_step(loop.verified_size, step_seconds, drafting, catch_up)
         if streamer is not None:
             streamer.put(live[0].sequence[-counts[0] :].cpu())
         live, visible = _retire(live, loop.cache, visible)
@@ -260,12 +263,16 @@ class _Loop:
                 row.generator.queue(features[row.index, row.left_padding :], context, first_position=1)
         return rows, visible
 
-    def budget(self, live_rows: int, fixed: int, config: TreeGenerationConfig) -> int:
-        """This step's budget: the chooser's for the live batch, or the fixed one."""
+    def budget(self, live: list[Row], fixed: int, config: TreeGenerationConfig) -> int:
+        """This step's budget: the chooser's for the live batch (an exploration pays for what the drafters have not
+        read yet), or the fixed one."""
         if self.auto_budget is None:
             return fixed
-        self.auto_budget.set_batch_size(live_rows)
-        return self.auto_budget.next_budget(config.auto_budget_explore_interval, config.auto_budget_explore_share)
+        self.auto_budget.set_batch_size(len(live))
+        unread = sum(row.generator.unread_positions for row in live)
+        return self.auto_budget.next_budget(
+            config.auto_budget_explore_interval, config.auto_budget_explore_share, unread
+        )
 
     def largest(self, budget: int) -> int:
         return self.auto_budget.largest if self.auto_budget is not None else budget
@@ -275,7 +282,7 @@ class _Loop:
     ) -> tuple[torch.BoolTensor, list[int]]:
         """Verify -> accept -> compact -> observe the live rows' drafted trees; returns the new cache visibility and
         how many tokens each row committed."""
-        trees = [tree for tree, _ in drafted]
+        trees = [tree for tree, _, _ in drafted]
         if self.auto_budget is not None:  # verify only the part of each tree that pays for its nodes
             trees = self.auto_budget.worth_verifying(trees, drafted=budget > 0)
         batch = TreeBatch.pad(trees)
@@ -327,7 +334,7 @@ class _Loop:
         new_tokens = batch.new_tokens(index, lengths, bonus)
         kept_scores, kept_raw = kept_rows(kept, index, processed, raw, self.generation_config.output_logits)
         if budget > 0 or (budget == 0 and any(row.generator.free_candidates is not None for row in live)):
-            for i, (row, tree, (_, drafting_seconds)) in enumerate(zip(live, trees, drafted)):
+            for i, (row, tree, (_, drafting_seconds, _)) in enumerate(zip(live, trees, drafted)):
                 self._learn(row, tree, kept[i][1:], bonus[i : i + 1], raw[i, : len(tree)], budget, drafting_seconds)
         self.stats.iterations += len(live)
         self.stats.nodes_per_iteration += [tree.num_drafted for tree in trees]
@@ -388,20 +395,24 @@ def _drafting_seconds(generators: list[TreeCandidateGenerator]) -> float:
 
 def _draft(
     generator: TreeCandidateGenerator, sequence: torch.LongTensor, budget: int, largest: int, device: torch.device
-) -> tuple[DraftTree, float | None]:
+) -> tuple[DraftTree, float | None, tuple[int, float]]:
     """Read the queued context and draft a tree of at most `budget` nodes after the committed tokens `sequence` [T]
     (budget 0: no drafter call, the root alone or, where the drafter has them, the free candidates' tree up to the
     largest budget; `PLAIN`: the root alone). Also returns the step's drafting seconds where they are
     representative of a steady step (the drafter read just the previous step, not a prompt or several skipped
-    steps; at budget 0 the free candidates' seconds), else None."""
+    steps; at budget 0 the free candidates' seconds), else None; and a catch-up's positions and reading seconds
+    (a read of at least `CATCH_UP_POSITIONS` positions; else (0, 0.0))."""
     before = generator.stats.drafter_time_s
     if budget == PLAIN or (budget == 0 and generator.free_candidates is None):
-        return DraftTree.root_only(sequence[-1], device), None
+        return DraftTree.root_only(sequence[-1], device), None, (0, 0.0)
     if budget == 0:
         generator.tree_budget = largest
-        return generator.draft_tree(sequence, with_drafter=False), generator.stats.drafter_time_s - before
+        return generator.draft_tree(sequence, with_drafter=False), generator.stats.drafter_time_s - before, (0, 0.0)
     generator.tree_budget = budget
     steady = generator.has_read and len(generator.queued) == 1
+    positions = generator.unread_positions
     generator.read_queued()
+    reading = generator.stats.drafter_time_s - before
+    catch_up = (positions, reading) if not steady and positions >= CATCH_UP_POSITIONS else (0, 0.0)
     tree = generator.draft_tree(sequence)
-    return tree, (generator.stats.drafter_time_s - before if steady else None)
+    return tree, (generator.stats.drafter_time_s - before if steady else None), catch_up

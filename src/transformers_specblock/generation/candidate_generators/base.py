@@ -114,6 +114,11 @@ class TreeCandidateGenerator(CandidateGenerator):
             )
         self.context = (features[-self.context_size :], tokens[-self.context_size :], positions[-self.context_size :])
 
+    @property
+    def unread_positions(self) -> int:
+        """Committed positions queued for the drafter and not read yet: what its next draft first catches up on."""
+        return sum(tokens.shape[0] for _, tokens in self.queued)
+
     def read_queued(self) -> int:
         """Feed every queued position to the drafter in one `observe`; returns how many steps were queued."""
         steps = len(self.queued)
