@@ -16,6 +16,8 @@ import subprocess
 import sys
 import textwrap
 
+from transformers_specblock.generation import integration
+
 SCRIPT = textwrap.dedent(
     """
     import json
@@ -93,9 +95,10 @@ def test_patch_free_routes_with_stock_generation_mixin(tmp_path):
     assert proc.returncode == 0, proc.stderr[-4000:]
     report = json.loads(proc.stdout.split("REPORT ", 1)[1])
 
-    assert report["changed_on_import"] == [  # route 1's router
-        "_assisted_decoding", "_prepare_generation_config", "_validate_generation_mode"
-    ]
+    routed = ["_assisted_decoding", "_prepare_generation_config", "_validate_generation_mode"]
+    # route 1's router, on the releases it supports (elsewhere, e.g. the compatibility run on the newest release, the
+    # import warns and patches nothing: the routes below are the ones to use there)
+    assert report["changed_on_import"] == (routed if integration.router_problems() == [] else [])
     assert report["changed_after_uninstall"] == []
     assert len(report["custom_generate_modules"]) == 1  # the custom generate module really was loaded here
     for route in ("custom_generate", "function"):

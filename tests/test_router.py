@@ -10,13 +10,29 @@ from transformers.generation import GenerationMixin
 import transformers_specblock
 from conftest import make_drafter, make_target
 from transformers_specblock.generation import integration
+from transformers_specblock.utils import SUPPORTED_TRANSFORMERS
+
+SUPPORTED_RELEASE = "5.23.0"
 
 PROMPT = torch.tensor([[0, 5, 9, 3, 7, 2]])
 
 
 def test_this_transformers_has_the_routed_signatures():
-    assert integration.router_problems() == []
-    assert GenerationMixin._assisted_decoding is integration._assisted_decoding
+    problems = integration.router_problems()
+    if not problems[:1] or not problems[0].startswith("its version"):  # a supported release: routed
+        assert problems == [] and GenerationMixin._assisted_decoding is integration._assisted_decoding
+    else:  # a newer release (the compatibility run of `.ci/run`): refused, nothing patched, the fix named
+        assert GenerationMixin._assisted_decoding is integration._STOCK_ASSISTED_DECODING
+        target = make_target(vocab_size=32, seed=1)
+        with pytest.raises(AttributeError, match=r"on transformers >=5.23,<5.24 .*transformers_specblock.generate"):
+            target.generate(PROMPT, max_new_tokens=6, assistant_model=make_drafter(target, tree_budget=4))
+
+
+def test_a_release_outside_the_supported_ones_is_not_patched_even_with_the_same_signatures():
+    """5.24 kept the three signatures and renamed the cache argument `generate` hands them: the version decides too."""
+    assert integration.router_problems(version="5.25.0") == [f"its version 5.25.0 is outside {SUPPORTED_TRANSFORMERS}"]
+    assert integration.router_problems(version="5.22.2")[0].startswith("its version 5.22.2")
+    assert integration.router_problems(version=SUPPORTED_RELEASE) == integration.router_problems(version="5.23.1.dev0")
 
 
 def test_other_internals_are_not_patched_and_generate_names_the_fix(monkeypatch, one_thread):

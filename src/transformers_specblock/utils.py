@@ -10,8 +10,9 @@ import numpy
 import torch
 
 
-# The transformers releases whose private GenerationMixin methods the `generate` router replaces (checked by signature
-# at import, `generation.integration.router_problems`); elsewhere the patch-free route works.
+# The transformers releases whose private GenerationMixin methods the `generate` router replaces (checked by version
+# and signature at import, `generation.integration.router_problems`); the patch-free route is also tested on the
+# newest release (`.ci/run`), where transformers renamed `generate`'s cache argument (`past_key_values` -> `cache`).
 SUPPORTED_TRANSFORMERS = ">=5.23,<5.24"
 PATCH_FREE_ROUTE = "transformers_specblock.generate(model, **inputs, assistant_model=drafter)"
 

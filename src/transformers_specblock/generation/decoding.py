@@ -76,6 +76,11 @@ class SpecBlockStats:
         return {"schema": STATS_SCHEMA, **asdict(self), "tau": self.tau, "drafting_share": self.drafting_share}
 
 
+def generation_cache(model_kwargs: dict[str, Any]) -> Any:
+    """The cache `generate` prepared (its argument is `past_key_values` up to transformers 5.23, `cache` since)."""
+    return model_kwargs.get("past_key_values", model_kwargs.get("cache"))
+
+
 def _validate(
     target: PreTrainedModel,
     drafter: TreeDraftModel,
@@ -97,7 +102,7 @@ def _validate(
             f"Tree verification needs a 4D tree attention mask, which '{target.config._attn_implementation}' attention "
             "cannot take. Load the target with attn_implementation='sdpa' or 'eager'."
         )
-    cache = model_kwargs.get("past_key_values")
+    cache = generation_cache(model_kwargs)
     if generation_config.cache_implementation not in (None, "dynamic") or not isinstance(cache, DynamicCache):
         raise ValueError(
             f"SpecBlock needs a DynamicCache to compact after every step; got cache_implementation="
@@ -154,7 +159,7 @@ def tree_speculative_decoding(
     drafts_ever = auto_budget is None or auto_budget.largest > 0
     loop = _Loop(
         model, generation_config, logits_processor, TreeLogitsProcessor(logits_processor), stopping_criteria,
-        full_attention_cache(model, model_kwargs["past_key_values"], generation_config, generators[0].tree_budget),
+        full_attention_cache(model, generation_cache(model_kwargs), generation_config, generators[0].tree_budget),
         auto_budget, adapter, drafts_ever,
         feature_layers=drafter.config.feature_layers if generators[0].reads_features and drafts_ever else [],
         host_stop_rule=host_stop_rule(stopping_criteria),

@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 import transformers
+from packaging.specifiers import SpecifierSet
+from packaging.version import Version
 from transformers import GenerationConfig, LogitsProcessorList, PreTrainedModel, StoppingCriteriaList
 from transformers.generation import GenerateDecoderOnlyOutput, GenerationMixin, GenerationMode
 from transformers.generation.streamers import BaseStreamer
@@ -129,17 +131,22 @@ ROUTED_SIGNATURES = {
 }  # fmt: skip
 
 
-def router_problems(stock: dict[str, Any] | None = None) -> list[str]:
-    """What differs between the stock methods the router replaces (`stock`: name -> method, by default the ones this
-    transformers had at import) and the signatures it was written for (`ROUTED_SIGNATURES`); empty where it may
-    patch."""
+def router_problems(stock: dict[str, Any] | None = None, version: str | None = None) -> list[str]:
+    """What differs between this transformers (`version`, by default the installed one) and the releases the router
+    was written for (`SUPPORTED_TRANSFORMERS`), and between the stock methods it replaces (`stock`: name -> method,
+    by default the ones this transformers had at import) and their signatures there (`ROUTED_SIGNATURES`); empty
+    where it may patch. A release can keep the signatures and change what they are given (the cache argument's name
+    changed in 5.24), so both are checked."""
+    version = version or transformers.__version__
+    problems = []
+    if not SpecifierSet(SUPPORTED_TRANSFORMERS).contains(Version(version), prereleases=True):
+        problems.append(f"its version {version} is outside {SUPPORTED_TRANSFORMERS}")
     if stock is None:
         stock = {
             "_assisted_decoding": _STOCK_ASSISTED_DECODING,
             "_validate_generation_mode": _STOCK_VALIDATE_GENERATION_MODE,
             "_prepare_generation_config": _STOCK_PREPARE_GENERATION_CONFIG,
         }
-    problems = []
     for name, expected in ROUTED_SIGNATURES.items():
         method = stock.get(name)
         if method is None:
