@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
+from campaign_figure import campaign_svg  # noqa: E402
 from cost_figure import cost_svg  # noqa: E402
 from docs_tables import command_reference  # noqa: E402
 from tree_figure import mask_svg, tree_svg  # noqa: E402
@@ -185,6 +186,7 @@ FIGURES = {
     "docs/figures/tree.svg": tree_svg,
     "docs/figures/tree-mask.svg": mask_svg,
     "docs/figures/target-cost.svg": lambda: cost_svg(RESULTS / TARGET_COST[0]),
+    "docs/figures/campaign.svg": lambda: campaign_svg(RESULTS / "campaign"),
 }
 BLOCK = re.compile(r"(<!-- BEGIN generated: (?P<name>[\w-]+) -->\n)(?:(?!<!-- BEGIN).)*?(<!-- END generated -->)", re.S)
 

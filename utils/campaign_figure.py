@@ -1,0 +1,99 @@
+"""docs/figures/campaign.svg: the training campaign's held-out slot-0 accuracy per drafter, against its training
+tokens in total and against the campaign's CPU-hours, with the shipped drafters marked, read from
+docs/results/campaign (`examples/campaign_curve.py` appends the points, `shipped.json` holds the shipped ones)."""
+
+from __future__ import annotations
+
+import json
+from html import escape
+from pathlib import Path
+
+COLOURS = {"specblock": "#2f6fd6", "eagle3": "#2e9d55"}
+NAMES = {"specblock": "SpecBlock", "eagle3": "EAGLE-3"}
+PANEL_W, H, LEFT, TOP, GAP, RIGHT, BOTTOM = 300, 300, 56, 20, 60, 210, 50
+
+
+def _runs(folder: Path) -> dict[str, dict[str, list[dict]]]:
+    """drafter -> run name -> its points, in step order."""
+    runs: dict[str, dict[str, list[dict]]] = {}
+    for drafter in COLOURS:
+        path = folder / f"{drafter}.jsonl"
+        for line in path.read_text().splitlines() if path.is_file() else []:
+            point = json.loads(line)
+            runs.setdefault(drafter, {}).setdefault(point["run"], []).append(point)
+    return runs
+
+
+def _ticks(top: float) -> list[float]:
+    step = next(s for s in (0.1, 0.2, 0.25, 0.5, 1, 2, 5, 10, 20) if top / s <= 6)
+    return [i * step for i in range(int(top / step + 1e-9) + 1)]
+
+
+def campaign_svg(folder: Path) -> str:
+    shipped = json.loads((folder / "shipped.json").read_text())
+    runs = _runs(folder)
+    points = [p for drafter in runs.values() for run in drafter.values() for p in run]
+    accuracies = [p["eval_acc_slot0"] for p in points] + [shipped[d]["eval_acc_slot0"] for d in COLOURS]
+    y_low, y_high = int(min(accuracies) * 100) - 1, int(max(accuracies) * 100) + 2
+    tokens_max = max([p["tokens"] for p in points] + [shipped[d]["tokens"] for d in COLOURS]) / 1e6
+    hours_max = max([p.get("train_cpu_seconds") or p["train_seconds"] for p in points] + [1.0]) / 3600
+    panels = [  # (title, x of a point, x of a shipped drafter, axis maximum, left edge)
+        ("training tokens (millions)", lambda p: p["tokens"] / 1e6, lambda d: shipped[d]["tokens"] / 1e6,
+         tokens_max * 1.05, LEFT),
+        ("campaign CPU-hours", lambda p: (p.get("train_cpu_seconds") or p["train_seconds"]) / 3600, lambda d: 0.0,
+         hours_max * 1.05, LEFT + PANEL_W + GAP),
+    ]  # fmt: skip
+    width = LEFT + 2 * PANEL_W + GAP + RIGHT
+    plot_h = H - TOP - BOTTOM
+    parts = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{H}" viewBox="0 0 {width} {H}" '
+        'font-family="DejaVu Sans, sans-serif" font-size="12">',
+        '<rect width="100%" height="100%" fill="#ffffff"/>',
+    ]
+
+    def y_of(accuracy: float) -> float:
+        return TOP + plot_h - (accuracy * 100 - y_low) / (y_high - y_low) * plot_h
+
+    for title, x_point, x_shipped, x_max, left in panels:
+        def x_of(value: float, left: float = left, x_max: float = x_max) -> float:
+            return left + value / x_max * PANEL_W
+
+        for tick in range(y_low, y_high + 1):
+            y = y_of(tick / 100)
+            parts.append(f'<line x1="{left}" y1="{y:.1f}" x2="{left + PANEL_W}" y2="{y:.1f}" stroke="#e4e4e4"/>')
+            parts.append(f'<text x="{left - 6}" y="{y + 4:.1f}" text-anchor="end" fill="#333333">{tick}</text>')
+        for tick in _ticks(x_max):
+            parts.append(f'<text x="{x_of(tick):.1f}" y="{TOP + plot_h + 16}" text-anchor="middle" '
+                         f'fill="#333333">{tick:g}</text>')  # fmt: skip
+        parts.append(f'<text x="{left + PANEL_W / 2:.0f}" y="{H - 12}" text-anchor="middle" fill="#333333">'
+                     f"{title}</text>")  # fmt: skip
+        for drafter, drafter_runs in runs.items():
+            for run, run_points in drafter_runs.items():
+                start = (x_of(x_shipped(drafter)), y_of(shipped[drafter]["eval_acc_slot0"]))  # every run's start
+                xy = [start] + [(x_of(x_point(p)), y_of(p["eval_acc_slot0"])) for p in run_points]
+                dash = ' stroke-dasharray="4 3" opacity="0.6"' if run_points[0].get("abandoned") else ""
+                line = " ".join(f"{x:.1f},{y:.1f}" for x, y in xy)
+                parts.append(f'<polyline points="{line}" fill="none" stroke="{COLOURS[drafter]}" stroke-width="2"'
+                             f"{dash}/>")  # fmt: skip
+                parts += [f'<circle cx="{x:.1f}" cy="{y:.1f}" r="2.5" fill="{COLOURS[drafter]}"/>' for x, y in xy[1:]]
+        for drafter in COLOURS:
+            x, y = x_of(x_shipped(drafter)), y_of(shipped[drafter]["eval_acc_slot0"])
+            parts.append(f'<rect x="{x - 5:.1f}" y="{y - 5:.1f}" width="10" height="10" fill="none" '
+                         f'stroke="{COLOURS[drafter]}" stroke-width="2"/>')  # fmt: skip
+    parts.append(f'<text x="16" y="{TOP + plot_h / 2:.0f}" transform="rotate(-90 16 {TOP + plot_h / 2:.0f})" '
+                 'text-anchor="middle" fill="#333333">held-out slot-0 accuracy (%)</text>')  # fmt: skip
+    legend_x = LEFT + 2 * PANEL_W + GAP + 16
+    entries = [(f"{NAMES[d]} campaign", COLOURS[d], "line") for d in COLOURS]
+    entries += [(f"{NAMES[d]} shipped", COLOURS[d], "box") for d in COLOURS]
+    entries += [("a run given up (dashed)", "#888888", "dash")]
+    for k, (label, colour, kind) in enumerate(entries):
+        ly = TOP + 14 + 18 * k
+        if kind == "box":
+            parts.append(f'<rect x="{legend_x + 7}" y="{ly - 9}" width="10" height="10" fill="none" '
+                         f'stroke="{colour}" stroke-width="2"/>')  # fmt: skip
+        else:
+            dash = ' stroke-dasharray="4 3"' if kind == "dash" else ""
+            parts.append(f'<line x1="{legend_x}" y1="{ly - 4}" x2="{legend_x + 24}" y2="{ly - 4}" stroke="{colour}" '
+                         f'stroke-width="2"{dash}/>')  # fmt: skip
+        parts.append(f'<text x="{legend_x + 30}" y="{ly}" fill="#333333">{escape(label)}</text>')
+    return "\n".join(parts + ["</svg>"]) + "\n"
