@@ -106,16 +106,17 @@ def serve(target, tokenizer, stream: list[dict], runs: list[str], args, referenc
     for index, row in enumerate(stream):
         inputs = encode(tokenizer, row)
         for run, drafter in drafters.items():
-            start = time.perf_counter()
+            start, cpu_start = time.perf_counter(), time.process_time()
             out = target.generate(
                 **inputs, assistant_model=drafter, do_sample=False, max_new_tokens=args.max_new_tokens
             )
-            seconds = time.perf_counter() - start
+            seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
             stats = drafter.last_stats
             new = out[0, inputs["input_ids"].shape[1] :].tolist()
             rows[run].append({
                 "call": index, "prompt_id": row["id"], "domain": row["domain"], "new_tokens": len(new),
-                "seconds": seconds, "plain_seconds": references[row["id"]]["seconds"], "tau": stats.tau,
+                "seconds": seconds, "cpu_seconds": cpu_seconds, "plain_seconds": references[row["id"]]["seconds"],
+                "tau": stats.tau,
                 "action": stats.adaptation.action, "update_s": stats.adaptation.update_time_s,
                 "signal": stats.adaptation.signal, "signal_wrong": stats.adaptation.signal_wrong,
                 "rolled_back": stats.adaptation.rolled_back, "restored_loaded": stats.adaptation.restored_loaded,
@@ -145,6 +146,7 @@ def summarise(rows: list[dict]) -> dict:
         "calls": len(rows), "tau": mean(rows), "tau_first_third": mean(rows[:third]),
         "tau_last_third": mean(rows[-third:]), "tau_code_last_third": mean(code[-max(1, len(code) // 3) :] if code else []),
         "tau_chat": mean([r for r in rows if r["domain"] == "chat"]), "tokens_per_s": tokens / seconds,
+        "tokens_per_cpu_s": tokens / sum(r["cpu_seconds"] for r in rows),
         "plain_tokens_per_s": tokens / plain, "update_share": sum(r["update_s"] for r in rows) / seconds,
         "actions": actions, "rollbacks": sum(r["rolled_back"] for r in rows),
         "restored_loaded": sum(r.get("restored_loaded", False) for r in rows),
@@ -165,22 +167,23 @@ def write_report(out_dir: Path, results: dict[str, dict], settings: dict) -> Non
     (out_dir / "results.json").write_text(json.dumps({"settings": settings, "runs": results}, indent=1))
     lines = [
         "| stream | drafter | policy | tau | tau first third | tau last third | tau code, last third | tau chat | "
-        "tokens/s (incl. updates) | vs off | vs off, paired estimate | update share | actions | "
+        "tokens/s (incl. updates) | vs off | vs off, CPU time | vs off, paired estimate | update share | actions | "
         "candidate heads served | rollbacks / loaded head back | identical |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for key, run in results.items():
         stream, drafter, policy = key.split("/")
         s = run["summary"]
         off = results.get(f"{stream}/{drafter}/off", {}).get("summary")
         versus = f"{s['tokens_per_s'] / off['tokens_per_s']:.3f}" if off else "-"
+        versus_cpu = f"{s['tokens_per_cpu_s'] / off['tokens_per_cpu_s']:.3f}" if off else "-"
         off_calls = results.get(f"{stream}/{drafter}/off", {}).get("calls")
         paired = f"{paired_speedup(run['calls'], off_calls):.3f}" if off_calls else "-"
         actions = ", ".join(f"{a} {n}" for a, n in sorted(s["actions"].items()))
         lines.append(
             f"| {stream} | {drafter} | {policy} | {s['tau']:.3f} | {s['tau_first_third']:.3f} | "
             f"{s['tau_last_third']:.3f} | {s['tau_code_last_third']:.3f} | {s['tau_chat']:.3f} | "
-            f"{s['tokens_per_s']:.2f} | {versus} | {paired} | {100 * s['update_share']:.1f}% | "
+            f"{s['tokens_per_s']:.2f} | {versus} | {versus_cpu} | {paired} | {100 * s['update_share']:.1f}% | "
             f"{actions} | {s.get('promoted', 0)} | {s['rollbacks']} / {s['restored_loaded']} | "
             f"{'yes' if s['identical'] else 'NO'} |"
         )

@@ -30,6 +30,7 @@ from .auto_choosers import auto_budget_for, save_chooser
 from .budget import PLAIN, AutoBudget
 from .cache_utils import compact_cache, full_attention_cache, repack_cache
 from .candidate_generators import TreeCandidateGenerator, get_candidate_generator
+from .input_checks import check_inputs, generation_cache
 from .logits_process import TreeLogitsProcessor
 from .rows import HostStopRule, Row, batch_output, commit, host_stop_rule, record
 from .tree import DraftTree
@@ -76,58 +77,6 @@ class SpecBlockStats:
         return {"schema": STATS_SCHEMA, **asdict(self), "tau": self.tau, "drafting_share": self.drafting_share}
 
 
-def generation_cache(model_kwargs: dict[str, Any]) -> Any:
-    """The cache `generate` prepared (its argument is `past_key_values` up to transformers 5.23, `cache` since)."""
-    return model_kwargs.get("past_key_values", model_kwargs.get("cache"))
-
-
-def _validate(
-    target: PreTrainedModel,
-    drafter: TreeDraftModel,
-    input_ids: torch.LongTensor,
-    generation_config: GenerationConfig,
-    model_kwargs: dict[str, Any],
-    streamer: BaseStreamer | None,
-) -> None:
-    drafter.check_target(target)
-    if input_ids.shape[1] == 0:
-        raise ValueError("The prompt is empty: SpecBlock needs at least one prompt token (e.g. the BOS token).")
-    if streamer is not None and input_ids.shape[0] > 1:
-        raise ValueError(
-            f"Streamers support batch size 1 (transformers' TextStreamer refuses batches too), got "
-            f"{input_ids.shape[0]} sequences. Drop the streamer or generate one prompt at a time."
-        )
-    if target.config._attn_implementation not in ("eager", "sdpa"):
-        raise ValueError(
-            f"Tree verification needs a 4D tree attention mask, which '{target.config._attn_implementation}' attention "
-            "cannot take. Load the target with attn_implementation='sdpa' or 'eager'."
-        )
-    cache = generation_cache(model_kwargs)
-    if generation_config.cache_implementation not in (None, "dynamic") or not isinstance(cache, DynamicCache):
-        raise ValueError(
-            f"SpecBlock needs a DynamicCache to compact after every step; got cache_implementation="
-            f"{generation_config.cache_implementation!r} ({type(cache).__name__}). Drop the static cache setting."
-        )
-    if cache.get_seq_length() > 0:
-        raise ValueError("SpecBlock starts from an empty cache: passing a pre-filled `past_key_values` is not supported.")
-    if generation_config.output_attentions or generation_config.output_hidden_states:
-        raise ValueError("output_attentions / output_hidden_states are not available with tree decoding.")
-    mask = model_kwargs.get("attention_mask")
-    if mask is None:
-        return
-    right_padded = (mask[:, 1:] < mask[:, :-1]).any(dim=1).nonzero().flatten().tolist()
-    if right_padded:
-        raise ValueError(
-            f"attention_mask rows {right_padded} pad on the right (ones before zeros); SpecBlock decoding takes left "
-            "padding only, as transformers' batched generate does: set tokenizer.padding_side = 'left'."
-        )
-    empty = (mask.sum(dim=1) == 0).nonzero().flatten().tolist()
-    if empty:
-        raise ValueError(
-            f"attention_mask rows {empty} mask every token: each prompt needs at least one token (e.g. the BOS token)."
-        )
-
-
 def tree_speculative_decoding(
     model: PreTrainedModel,
     input_ids: torch.LongTensor,
@@ -145,7 +94,7 @@ def tree_speculative_decoding(
     the target verifies all rows' trees in one forward; each row accepts its own path and rows that finish leave
     the batch."""
     drafter = assistant_model
-    _validate(model, drafter, input_ids, generation_config, model_kwargs, streamer)
+    check_inputs(model, drafter, input_ids, generation_config, model_kwargs, streamer)
     if synced_gpus:
         raise ValueError("synced_gpus (DeepSpeed ZeRO-3 / FSDP) is not supported with SpecBlock decoding.")
     state = drafter.serving_state(model)
@@ -263,7 +212,7 @@ class _Loop:
         kept = commit(rows, list(first.to(input_ids.device)[:, None]), list(processed[:, None]), self.stopping_criteria)
         for row, count in zip(rows, kept):
             record(row, self.generation_config, processed[row.index, None], raw[row.index, None], count)
-            if not row.done and self.drafts_ever:  # its prompt: the columns after its left padding (`_validate`)
+            if not row.done and self.drafts_ever:  # its prompt: the columns after its left padding (`check_inputs`)
                 context = torch.cat([input_ids[row.index, row.left_padding + 1 :], row.sequence[-1:]])
                 row.generator.queue(features[row.index, row.left_padding :], context, first_position=1)
         return rows, visible
