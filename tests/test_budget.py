@@ -417,6 +417,22 @@ def test_an_exploration_pays_for_the_positions_the_drafter_has_not_read():
     assert [i + 1 for i, b in enumerate(chosen) if b] == [160]  # overdue: 8 / 0.05 steps
 
 
+def test_an_exploration_to_budget_zero_is_not_charged_for_reading():
+    """From a plain step (`PLAIN`: not even the free candidates), the next rung is budget 0, which runs no drafter: it
+    reads nothing, so the positions the drafter has not read do not delay it (else a chooser at `PLAIN` would stop
+    measuring the free candidates on long prompts)."""
+    cost = TargetCost([0, 8], [0.10, 0.12])
+    chooser = AutoBudget([0, 8], cost, warmup=0, free_at_zero=True)
+    for _ in range(4):
+        chooser.observe(chain_tree(8), [], drafting_seconds=0.02, budget=8)  # the drafter's trees: tau 1
+        chooser.observe_free(chain_tree(4), [], seconds=0.01)  # the free candidates': tau 1, and they cost time
+    chooser.set_batch_size(1)
+    chooser.observe_step(8, 0.12, drafting_seconds=0.42, catch_up=(200, 0.4))  # 2 ms per position read
+    assert chooser.choose() == PLAIN
+    chosen = [chooser.next_budget(explore_interval=8, explore_share=0.05, unread=10_000) for _ in range(12)]
+    assert chosen[7] == 0 and chosen.count(PLAIN) == 11  # step 8 explores budget 0, the unread positions aside
+
+
 def test_speculating_must_promise_the_minimum_gain_over_plain_decoding():
     """A tree that promises 3% more tokens per second than plain decoding is not worth the risk (the estimates are
     noisy): with min_gain 0.05 the chooser decodes plainly; one that promises 10% is drafted."""

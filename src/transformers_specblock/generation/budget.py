@@ -340,7 +340,8 @@ class AutoBudget:
         batch, whose exploring step drafts for every row) and once the steps since then took 1 / `explore_share`
         times what the exploring step is expected to cost beyond a chosen one, a larger candidate (see the class
         docstring; `PLAIN` sits below the ladder). That cost counts the `unread` positions (over the live rows) the
-        drafter would catch up on first: a new call's first exploration reads its whole prompt. Every
+        drafter would catch up on first where the exploration drafts (budget 0 runs no drafter): a new call's first
+        drafting exploration reads its whole prompt. Every
         `explore_interval / explore_share` steps an exploration comes whatever it costs, so no choice is absorbing."""
         self.clock += 1
         best = self.choose()
@@ -359,7 +360,7 @@ class AutoBudget:
         extra = self.seconds(explored) - self.seconds(best)  # expected, and as the latest explorations took
         if self.exploration_extra.count:
             extra = max(extra, self.exploration_extra.median(self.clock))
-        if self.reading.count:
+        if self.reading.count and explored > 0:  # the drafter drafts, so it first reads what it has not
             extra += unread * self.reading.mean(self.clock)
         if since * self.seconds(best) * explore_share < extra and since * explore_share < explore_interval:
             return best
