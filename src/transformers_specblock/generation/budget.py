@@ -315,9 +315,11 @@ class AutoBudget:
         free candidates, whose scores are learnt acceptance rates; the drafter's own probability for its nodes).
         One forward verifies every row at the longest row's size, so a node pays only for what it adds to the
         batch's forward. A strong lookup match is verified whole, weak guesses are left out: the budget caps the
-        tree, this sizes it per step. `drafted`: whether the drafter ran (its time T_D is counted)."""
+        tree, this sizes it per step. `drafted`: whether the drafter ran (its time T_D is counted). An exploring
+        step verifies its trees whole: it is there to measure, and a cut tree measures neither the candidate's tau
+        nor what a tree step costs (were every tree cut, stale estimates would never be corrected)."""
         longest = max(tree.num_drafted for tree in trees)
-        if longest == 0 or self.trees < self.warmup:
+        if longest == 0 or self.trees < self.warmup or self.explored_from is not None:
             return trees
         expected = [float(len(trees))] * (longest + 1)  # E[tokens] over the rows keeping n nodes each
         for tree in trees:  # on the host copy of each tree (our drafters grow them there)
