@@ -433,6 +433,22 @@ def test_an_exploration_to_budget_zero_is_not_charged_for_reading():
     assert chosen[7] == 0 and chosen.count(PLAIN) == 11  # step 8 explores budget 0, the unread positions aside
 
 
+def test_a_drafting_exploration_too_dear_gives_way_to_the_next_rung():
+    """At `PLAIN`, every second exploration drafts (a rung above the drafter's best); where its catch-up makes it
+    too dear, budget 0 (the free candidates, no drafter call) is explored instead of nothing, so a chooser stuck at
+    plain steps by a long prompt still measures the free candidates."""
+    cost = TargetCost([0, 8], [0.10, 0.12])
+    chooser = AutoBudget([0, 8], cost, warmup=0, free_at_zero=True)
+    for _ in range(4):
+        chooser.observe(chain_tree(8), [], drafting_seconds=0.02, budget=8)
+        chooser.observe_free(chain_tree(4), [], seconds=0.01)
+    chooser.set_batch_size(1)
+    chooser.observe_step(8, 0.12, drafting_seconds=0.42, catch_up=(200, 0.4))
+    chooser.explorations = 1  # the next one would draft (up = 2)
+    chosen = [chooser.next_budget(explore_interval=8, explore_share=0.05, unread=10_000) for _ in range(8)]
+    assert chosen[7] == 0 and chooser.explorations == 2  # budget 0 instead of budget 8 and its 20 s catch-up
+
+
 def test_a_tree_step_that_looks_expensive_can_still_be_measured_again():
     """Were a tree step's overhead estimate inflated (a burst of load while tree steps were timed), `worth_verifying`
     would cut every tree to the root and no tree step would ever refresh that estimate: tau fell to 1.00 for good on

@@ -343,7 +343,8 @@ class AutoBudget:
         times what the exploring step is expected to cost beyond a chosen one, a larger candidate (see the class
         docstring; `PLAIN` sits below the ladder). That cost counts the `unread` positions (over the live rows) the
         drafter would catch up on first where the exploration drafts (budget 0 runs no drafter): a new call's first
-        drafting exploration reads its whole prompt. Every
+        drafting exploration reads its whole prompt. Where that exploration is too dear, the next rung up is explored
+        if it is affordable (from `PLAIN`: budget 0, the free candidates alone, which read nothing). Every
         `explore_interval / explore_share` steps an exploration comes whatever it costs, so no choice is absorbing."""
         self.clock += 1
         best = self.choose()
@@ -359,15 +360,17 @@ class AutoBudget:
         if best <= 0 and up > 1:  # not drafting: measure the drafter where it would draft (a rung above its best)
             above = min(self.ladder.index(self._best(drafting_only=True)) + 1, len(self.ladder) - 1)
             explored = max(explored, self.ladder[above])
-        extra = self.seconds(explored) - self.seconds(best)  # expected, and as the latest explorations took
-        if self.exploration_extra.count:
-            extra = max(extra, self.exploration_extra.median(self.clock))
-        if self.reading.count and explored > 0:  # the drafter drafts, so it first reads what it has not
-            extra += unread * self.reading.mean(self.clock)
-        if since * self.seconds(best) * explore_share < extra and since * explore_share < explore_interval:
-            return best
-        self.explorations, self.explored_at, self.explored_from = self.explorations + 1, self.steps, best
-        return explored
+        nearest = self.ladder[index + 1]  # what an exploration too dear now is replaced by, where it is cheaper
+        for candidate in dict.fromkeys((explored, nearest)):
+            extra = self.seconds(candidate) - self.seconds(best)  # expected, and as the latest explorations took
+            if candidate == explored and self.exploration_extra.count:
+                extra = max(extra, self.exploration_extra.median(self.clock))
+            if self.reading.count and candidate > 0:  # the drafter drafts, so it first reads what it has not
+                extra += unread * self.reading.mean(self.clock)
+            if since * self.seconds(best) * explore_share >= extra or since * explore_share >= explore_interval:
+                self.explorations, self.explored_at, self.explored_from = self.explorations + 1, self.steps, best
+                return candidate
+        return best
 
     def seconds(self, budget: int) -> float:
         """The expected seconds of a step drafting with `budget` (`PLAIN`: a plain step) for the live batch."""
