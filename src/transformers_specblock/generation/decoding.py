@@ -236,7 +236,7 @@ class _Loop:
     ) -> tuple[torch.BoolTensor, list[int]]:
         """Verify -> accept -> compact -> observe the live rows' drafted trees; returns the new cache visibility and
         how many tokens each row committed."""
-        trees = whole = [tree for tree, _, _ in drafted]
+        trees = [tree for tree, _, _ in drafted]
         if self.auto_budget is not None:  # verify only the part of each tree that pays for its nodes
             trees = self.auto_budget.worth_verifying(trees, drafted=budget > 0)
         batch = TreeBatch.pad(trees)
@@ -289,9 +289,7 @@ class _Loop:
         kept_scores, kept_raw = kept_rows(kept, index, processed, raw, self.generation_config.output_logits)
         if budget > 0 or (budget == 0 and any(row.generator.free_candidates is not None for row in live)):
             for i, (row, tree, (_, drafting_seconds, _)) in enumerate(zip(live, trees, drafted)):
-                cut = tree.num_drafted < whole[i].num_drafted  # then it tells only about budgets up to its size
-                self._learn(row, tree, kept[i][1:], bonus[i : i + 1], raw[i, : len(tree)], budget, drafting_seconds,
-                            cut)  # fmt: skip
+                self._learn(row, tree, kept[i][1:], bonus[i : i + 1], raw[i, : len(tree)], budget, drafting_seconds)
         self.stats.iterations += len(live)
         self.stats.nodes_per_iteration += [tree.num_drafted for tree in trees]
         self.stats.accepted_per_iteration += lengths
@@ -309,17 +307,16 @@ class _Loop:
 
     def _learn(
         self, row: Row, tree: DraftTree, path: list[int], bonus: torch.LongTensor, logits: torch.Tensor,
-        budget: int, drafting_seconds: float | None, cut: bool = False,
+        budget: int, drafting_seconds: float | None,
     ) -> None:  # fmt: skip
         """What one row's verified tree (its accepted nodes `path`) teaches: the free candidates' scores, online
-        adaptation's signal and the budget chooser's estimates (`cut`: the chooser verified only a prefix of the
-        drafted tree, which says nothing of the budgets above its size)."""
+        adaptation's signal and the budget chooser's estimates."""
         row.generator.record_verified(tree, path)
         if self.adapter is not None and budget > 0:  # the verified rows teach the drafter (no extra target forward)
             path_nodes = torch.tensor(path, dtype=torch.long, device=tree.tokens.device)
             self.adapter.capture(row.generator, tree, path_nodes, bonus, logits.float())
         if self.auto_budget is not None and budget > 0:
-            self.auto_budget.observe(tree, path, drafting_seconds, budget=None if cut else budget)
+            self.auto_budget.observe(tree, path, drafting_seconds, budget=budget)
             if self.auto_budget.free_at_zero and row.generator.grows_trees:  # what budget 0 would have verified
                 self.auto_budget.observe_free_part(tree, path)
         elif self.auto_budget is not None and self.auto_budget.free_at_zero:
