@@ -10,7 +10,9 @@ this package departs from the reference on purpose, the test pins the departure.
 
 from __future__ import annotations
 
+import copy
 import json
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -629,3 +631,46 @@ def test_tree_construction_is_checked(drafter, target):
     with drafter.tree_settings(tree_construction="reference"):
         assert drafter.generation_config.tree_construction == "reference"
     assert drafter.generation_config.tree_construction == "package"
+
+
+@pytest.mark.slow  # loads the packaged SmolLM2-135M-Instruct
+def test_smollm2_decoding_accepts_what_the_harness_accepted(one_thread):
+    """SmolLM2-135M-Instruct, float32 greedy, a drafter derived from the shipped SpecBlock one so that the reference
+    can represent it (`tests/reference/smollm2_decoding.py`: rank-head biases dropped, top-1 rank feature within the
+    top 20, follow-ups at block 1's positions), passed through the reference layout and loaded back. The harness's
+    greedy loop (frozen: `fixtures/smollm2_decoding.json`, written by that script) and `generate` with
+    `tree_construction="reference"` accept the same number of tokens at every step, and ours is the target's greedy."""
+    import sys
+
+    from transformers_specblock import load_packaged_model, load_prompts
+    from transformers_specblock.hub.shipped import resolve_drafter_path
+
+    sys.path.insert(0, str(Path(__file__).parent / "reference"))
+    from smollm2_decoding import reference_compatible
+
+    frozen = json.loads((FIXTURES / "smollm2_decoding.json").read_text())
+    target, tokenizer = load_packaged_model("smollm2-135m-instruct")
+    target = target.float()
+    shipped = SpecBlockDraftModel.from_pretrained(resolve_drafter_path("specblock-smollm2-135m-instruct"),
+                                                  target=target, dtype=torch.float32).eval()  # fmt: skip
+    derived = reference_compatible(shipped)
+    derived.bind_target(target)
+    folder = Path(tempfile.mkdtemp())
+    derived.save_pretrained(folder, checkpoint_format="specblock_reference")
+    drafter = SpecBlockDraftModel.from_pretrained(folder, target=target).eval()
+    drafter.config.rank_feature_top_k = 10  # the harness's RANK_TOPK
+    endless = copy.deepcopy(target.generation_config)
+    endless.eos_token_id = None  # as the harness ran (its tokenizer stand-in has no end of sequence)
+    for row in frozen["rows"]:
+        text = load_prompts(row["prompt_set"], num_prompts=row["index"] + 1, tokenizer=tokenizer)[row["index"]]["text"]
+        ids = tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids
+        mask = torch.ones_like(ids)
+        plain = target.generate(ids, attention_mask=mask, generation_config=endless, do_sample=False,
+                                max_new_tokens=frozen["max_new_tokens"])  # fmt: skip
+        with drafter.tree_settings(max_blocks=2):
+            out = target.generate(ids, attention_mask=mask, generation_config=endless, assistant_model=drafter,
+                                  do_sample=False, tree_budget=90, max_new_tokens=frozen["max_new_tokens"],
+                                  tree_construction="reference")  # fmt: skip
+        assert torch.equal(out, plain)
+        ours = drafter.last_stats.accepted_per_iteration
+        assert ours[:-1] == row["accepted_harness"][: len(ours) - 1], row  # the last step: cut at max_new_tokens

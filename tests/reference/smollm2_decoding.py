@@ -12,7 +12,8 @@ steps, 90 tree tokens, rank features over the top 10; `reference_decoding.harnes
 `generate` with `tree_budget=90`, `max_blocks=2`, `tree_construction="reference"` and rank features over the top 10.
 
     PYTHONPATH=src python tests/reference/smollm2_decoding.py /path/to/SpecBlock \
-        --export_dir /tmp/specblock-smollm2-reference --output docs/results/specblock-reference-smollm2/decoding.json
+        --export_dir /tmp/specblock-smollm2-reference --output docs/results/specblock-reference-smollm2/decoding.json \
+        --fixture tests/reference/fixtures/smollm2_decoding.json
 
 Both outputs are compared with the target's own greedy tokens, and step by step with each other (accepted counts).
 """
@@ -55,6 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("reference", help="a checkout of github.com/shiweijiezero/SpecBlock")
     parser.add_argument("--export_dir", default=None, help="where the reference-layout drafter is written (kept)")
     parser.add_argument("--output", required=True, help="JSON file of the per-step comparison")
+    parser.add_argument("--fixture", default=None, help="also write the test fixture (tests/reference/fixtures/...)")
     parser.add_argument("--num_prompts", type=int, default=3, help="prompts per set (MT-Bench, HumanEval)")
     parser.add_argument("--max_new_tokens", type=int, default=48)
     args = parser.parse_args(argv)
@@ -69,15 +71,17 @@ def main(argv: list[str] | None = None) -> int:
     derived.save_pretrained(folder, checkpoint_format="specblock_reference")
     drafter = SpecBlockDraftModel.from_pretrained(folder, target=target).eval()
     drafter.config.rank_feature_top_k = 10  # as the harness computes rank features (RANK_TOPK 10)
-    prompts = [(name, tokenizer(row["text"], return_tensors="pt", add_special_tokens=False).input_ids[0])
-               for name in ("mt_bench", "humaneval")
-               for row in load_prompts(name, num_prompts=args.num_prompts, tokenizer=tokenizer)]  # fmt: skip
+    prompts = []
+    for name in ("mt_bench", "humaneval"):
+        for index, row in enumerate(load_prompts(name, num_prompts=args.num_prompts, tokenizer=tokenizer)):
+            ids = tokenizer(row["text"], return_tensors="pt", add_special_tokens=False).input_ids[0]
+            prompts.append((name, index, ids))
     load_reference(args.reference)
     harness = load_harness_tree_module(args.reference)
-    steps = harness_decode(harness, folder, target, [ids for _, ids in prompts], drafter.config.target_layer_ids,
+    steps = harness_decode(harness, folder, target, [ids for _, _, ids in prompts], drafter.config.target_layer_ids,
                            args.max_new_tokens)  # fmt: skip
     rows = []
-    for (name, ids), theirs in zip(prompts, steps):
+    for (name, index, ids), theirs in zip(prompts, steps):
         with torch.no_grad():
             plain = target.generate(ids[None], attention_mask=torch.ones_like(ids[None]), do_sample=False,
                                     max_new_tokens=args.max_new_tokens)[0, len(ids) :]  # fmt: skip
@@ -91,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
         leading = next((i for i, (a, b) in enumerate(zip(their_counts, ours)) if a != b), min(len(ours), len(theirs)))
         common = min(len(plain), len(their_text))
         rows.append({
-            "prompt_set": name, "prompt_tokens": len(ids),
+            "prompt_set": name, "index": index, "prompt_tokens": len(ids),
             "ours_equals_greedy": bool(torch.equal(out[0, len(ids) :], plain)),
             "harness_equals_greedy_prefix": their_text[:common] == plain[:common].tolist(),
             "steps_ours": len(ours), "steps_harness": len(theirs), "identical_leading_steps": leading,
@@ -101,10 +105,23 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({k: v for k, v in rows[-1].items() if not k.startswith("accepted")}), flush=True)
     result = {"target": "smollm2-135m-instruct", "dtype": "float32", "max_new_tokens": args.max_new_tokens,
               "reference_commit": "b7938c556e5dc42236362dcc4eb37a1edb562c70", "rows": rows}  # fmt: skip
-    os.makedirs(Path(args.output).parent, exist_ok=True)
-    Path(args.output + ".tmp").write_text(json.dumps(result, indent=1))
-    os.replace(args.output + ".tmp", args.output)
+    write_json(result, Path(args.output))
+    if args.fixture:
+        write_json(fixture_of(result), Path(args.fixture))
     return 0
+
+
+def fixture_of(result: dict) -> dict:
+    """What `tests/test_specblock_reference.py` replays: the harness's accepted counts on each set's first prompt."""
+    keys = ("prompt_set", "index", "accepted_harness")
+    rows = [{k: row[k] for k in keys} for row in result["rows"] if row["index"] == 0]
+    return {k: result[k] for k in ("target", "dtype", "max_new_tokens", "reference_commit")} | {"rows": rows}
+
+
+def write_json(data: dict, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.with_suffix(".tmp").write_text(json.dumps(data, indent=1))
+    os.replace(path.with_suffix(".tmp"), path)
 
 
 if __name__ == "__main__":

@@ -81,7 +81,8 @@ class TreeGenerationConfig(GenerationConfig):
             where no tree pays for itself (a weak drafter on a slow device).
         tree_construction: How the drafter grows a tree: "package" (default) or "reference", as the drafter's
             reference implementation does where the drafter has one (SpecBlock: the authors' inference harness at its
-            defaults, `SpecBlockCandidateGenerator`); a drafter without one refuses "reference".
+            defaults, `generation/candidate_generators/specblock_reference_tree.py`; `tree_budget`, `max_blocks` and
+            `branch_widths` apply, `max_followups` and `tree_policy` do not); a drafter without one refuses it.
         auto_budget_warmup_cost: With tree_budget="auto", the warm-up drafts with the largest candidate whose tree
             the target verifies for at most this many plain steps, by the measured cost curve (on a GPU the largest
             candidate; on a CPU, where a large tree costs several steps, a smaller one, so a first call does not pay
