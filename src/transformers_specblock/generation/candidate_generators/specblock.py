@@ -42,7 +42,8 @@ class SpecBlockCandidateGenerator(TreeCandidateGenerator):
     root's slots, then up to `max_blocks - 1` rounds of follow-up blocks, each round in ONE batched forward whose
     entries are cropped away afterwards. A round whose nodes could not survive pruning (each scores at most its start
     leaf's score, and `tree_budget` nodes already score higher) is skipped. `draft_tree` prunes the tree to
-    `tree_budget` nodes by cumulative draft log-prob.
+    `tree_budget` nodes by cumulative draft log-prob. With `tree_construction="reference"` the tree is grown as the
+    SpecBlock reference harness grows it instead (`specblock_reference_tree.grow_reference_tree`).
     """
 
     def __init__(
