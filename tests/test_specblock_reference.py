@@ -10,7 +10,9 @@ this package departs from the reference on purpose, the test pins the departure.
 
 from __future__ import annotations
 
+import copy
 import json
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -32,6 +34,7 @@ from transformers_specblock.training.modeling import SpecBlockDraftModelForTrain
 
 FIXTURES = Path(__file__).parent / "reference" / "fixtures"
 TOL = dict(rtol=0.0, atol=1e-5)
+
 
 
 @pytest.fixture(scope="module")
@@ -529,3 +532,145 @@ def test_reference_rank_loss_form_trains_every_block(target, training, one_threa
     assert trained.rank_head[0].weight.grad.abs().sum() > 0 and trained.lm_head.weight.grad is None
     with pytest.raises(ValueError, match="rank_loss_form must be one of"):
         SpecBlockLossConfig(rank_loss_form="paper")
+
+
+# ------------------------------------------------------------------------------------------------ reference trees
+def reference_generator(drafter, max_blocks: int):
+    from transformers_specblock.generation.candidate_generators.specblock import SpecBlockCandidateGenerator
+
+    with drafter.tree_settings(tree_construction="reference"):
+        return SpecBlockCandidateGenerator(drafter, tree_budget=90, max_blocks=max_blocks)
+
+
+def test_reference_block1_trees_are_the_harness_trees(drafter, manifest):
+    """`tree_construction="reference"`: block 1 (one block step) at the harness's defaults is the harness's tree,
+    node for node (paths from the root), on all 10 fixture trees - confident slots narrowed, slot 0 by probability."""
+    trees = load_file(FIXTURES / "trees.safetensors")
+    drafter.config.rank_feature_top_k = 10
+    head = drafter.lm_head.weight.detach().clone()
+    try:
+        for case, scale in enumerate(manifest["block1_trees"]["lm_head_scales"]):
+            with torch.no_grad():
+                drafter.lm_head.weight.copy_(head * scale)
+                out = drafter(trees[f"tree{case}.input_ids"], trees[f"tree{case}.features"])
+            generator = reference_generator(drafter, max_blocks=1)
+            generator.root_block = (out.logits[:, -1], out.hidden_states[:, -1], out.rank_logits[:, -1])
+            tree = generator.grow_tree(trees[f"tree{case}.input_ids"][0, -1:])
+            theirs = trees[f"tree{case}.tokens"].tolist(), trees[f"tree{case}.parents"].tolist()
+            assert paths(tree.tokens[1:], [p - 1 for p in tree.parents[1:]]) == paths(*theirs), case
+            assert len(tree) - 1 == len(theirs[0]), case  # block 1 holds no equal siblings
+    finally:
+        drafter.lm_head.weight.data.copy_(head)
+        drafter.config.rank_feature_top_k = 20
+
+
+def test_reference_two_block_trees_are_the_harness_trees(drafter, manifest, one_thread):
+    """`tree_construction="reference"`, two block steps pruned to 90 nodes, on the rounds the harness's own inference
+    model drafted (24 and 20 follow-up blocks): the same blocks, nodes and parents (paths). The harness's 90 nodes may
+    hold equal siblings (a follow-up block from a mid-chain greedy node can repeat block 1's next slot: one pair in
+    the second round); ours merges them."""
+    trees = load_file(FIXTURES / "trees.safetensors")
+    head = drafter.lm_head.weight.detach().clone()
+    drafter.config.rank_feature_top_k = 10
+    sizes = []
+    try:
+        for case, scale in enumerate(manifest["followup_rounds"]["lm_head_scales"]):
+            p = f"round{case}."
+            with torch.no_grad():
+                drafter.lm_head.weight.copy_(head * scale)
+                generator = reference_generator(drafter, max_blocks=2)
+                generator.observe(trees[p + "features"][0], trees[p + "input_ids"][0], 1)
+                tree = generator.grow_tree(trees[p + "input_ids"][0, -1:])
+            theirs = paths(trees[p + "tree.tokens"].tolist(), trees[p + "tree.parents"].tolist())
+            assert paths(tree.tokens[1:], [q - 1 for q in tree.parents[1:]]) == theirs, case
+            assert len(tree) - 1 == len(theirs)
+            sizes.append((len(trees[p + "tree.tokens"]), len(theirs), generator.stats.blocks_per_iteration[-1]))
+    finally:
+        drafter.lm_head.weight.data.copy_(head)
+        drafter.config.rank_feature_top_k = 20
+    assert sizes == [(90, 90, 25), (90, 89, 21)]  # harness nodes, distinct paths, blocks (1 + 24 and 1 + 20)
+
+
+def test_reference_trees_decode_losslessly_and_the_drafter_inputs_differ_from_the_harness(target, manifest, one_thread):
+    """The fixture's greedy decoding with `tree_construction="reference"` (two block steps, 90 tree tokens, set for
+    the call only): the target's own greedy tokens. Not step for step the harness's: its loop feeds the drafter
+    differently (`prefill_and_draft` repeats the prompt's last position as the first draft position, one rotary
+    position further; later steps pair features and tokens its own way), so block 1's logits already differ at the
+    first step (by 0.018 here) although the trees from the same block outputs are the same (tests above)."""
+    decoding = load_file(FIXTURES / "decoding.safetensors")
+    drafter = SpecBlockDraftModel.from_pretrained(FIXTURES / "decoding_drafter", target=target).eval()
+    drafter.config.rank_feature_top_k = 10
+    taus, leading = [], []
+    for row, prompt in enumerate(decoding["prompts"]):
+        committed = decoding[f"prompt{row}.tokens"]
+        with drafter.tree_settings(max_blocks=2):
+            out = target.generate(prompt[None], assistant_model=drafter, do_sample=False, tree_budget=90,
+                                  max_new_tokens=len(committed), tree_construction="reference")  # fmt: skip
+        assert torch.equal(out[0, len(prompt) :], committed)
+        theirs, ours = decoding[f"prompt{row}.per_iteration"].tolist(), drafter.last_stats.accepted_per_iteration
+        leading.append(next((i for i, (a, b) in enumerate(zip(theirs, ours)) if a != b), min(len(theirs), len(ours))))
+        taus.append(drafter.last_stats.tau)
+    assert drafter.generation_config.tree_construction == "package"
+    # the same accepted counts as the harness's loop for the first 22 / 10 / 23 / 18 / 18 / 24 steps (with this
+    # package's trees: 11 / 5 / 16 / 8 / 5 / 2); tau 1.912 against the harness's 1.919 (ours with its own trees: 2.036)
+    assert leading == [22, 10, 23, 18, 18, 24] and round(sum(taus) / len(taus), 3) == 1.912
+
+
+def test_tree_construction_is_checked(drafter, target):
+    """An unknown construction is refused by name; a drafter without a reference construction refuses "reference";
+    reference trees are not online-adapted."""
+    from transformers_specblock import Eagle3DraftModel
+    from transformers_specblock.models.tree_drafter.generation_config import TreeGenerationConfig
+
+    with pytest.raises(ValueError, match="tree_construction must be one of"):
+        TreeGenerationConfig(tree_construction="paper")
+    with pytest.raises(ValueError, match="grows trees with tree_construction in"):
+        Eagle3DraftModel.from_target(target, tree_budget=8).set_drafting_settings(tree_construction="reference")
+    with pytest.raises(ValueError, match="without online adaptation"):
+        drafter.set_drafting_settings(tree_construction="reference", online_adaptation="always")
+    with drafter.tree_settings(tree_construction="reference"):
+        assert drafter.generation_config.tree_construction == "reference"
+    assert drafter.generation_config.tree_construction == "package"
+
+
+@pytest.mark.slow  # loads the packaged SmolLM2-135M-Instruct
+def test_smollm2_decoding_accepts_what_the_harness_accepted(one_thread):
+    """SmolLM2-135M-Instruct, float32 greedy, a drafter derived from the shipped SpecBlock one so that the reference
+    can represent it (`tests/reference/smollm2_decoding.py`: rank-head biases dropped, top-1 rank feature within the
+    top 20, follow-ups at block 1's positions), passed through the reference layout and loaded back. The harness's
+    greedy loop (frozen: `fixtures/smollm2_decoding.json`, written by that script) and `generate` with
+    `tree_construction="reference"` accept the same number of tokens at every step, and ours is the target's greedy."""
+    import sys
+
+    from transformers_specblock import load_packaged_model, load_prompts
+    from transformers_specblock.hub.shipped import resolve_drafter_path
+
+    sys.path.insert(0, str(Path(__file__).parent / "reference"))
+    from smollm2_decoding import reference_compatible
+
+    frozen = json.loads((FIXTURES / "smollm2_decoding.json").read_text())
+    target, tokenizer = load_packaged_model("smollm2-135m-instruct")
+    target = target.float()
+    shipped = SpecBlockDraftModel.from_pretrained(resolve_drafter_path("specblock-smollm2-135m-instruct"),
+                                                  target=target, dtype=torch.float32).eval()  # fmt: skip
+    derived = reference_compatible(shipped)
+    derived.bind_target(target)
+    folder = Path(tempfile.mkdtemp())
+    derived.save_pretrained(folder, checkpoint_format="specblock_reference")
+    drafter = SpecBlockDraftModel.from_pretrained(folder, target=target).eval()
+    drafter.config.rank_feature_top_k = 10  # the harness's RANK_TOPK
+    endless = copy.deepcopy(target.generation_config)
+    endless.eos_token_id = None  # as the harness ran (its tokenizer stand-in has no end of sequence)
+    for row in frozen["rows"]:
+        text = load_prompts(row["prompt_set"], num_prompts=row["index"] + 1, tokenizer=tokenizer)[row["index"]]["text"]
+        ids = tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids
+        mask = torch.ones_like(ids)
+        plain = target.generate(ids, attention_mask=mask, generation_config=endless, do_sample=False,
+                                max_new_tokens=frozen["max_new_tokens"])  # fmt: skip
+        with drafter.tree_settings(max_blocks=2):
+            out = target.generate(ids, attention_mask=mask, generation_config=endless, assistant_model=drafter,
+                                  do_sample=False, tree_budget=90, max_new_tokens=frozen["max_new_tokens"],
+                                  tree_construction="reference")  # fmt: skip
+        assert torch.equal(out, plain)
+        ours = drafter.last_stats.accepted_per_iteration
+        assert ours[:-1] == row["accepted_harness"][: len(ours) - 1], row  # the last step: cut at max_new_tokens

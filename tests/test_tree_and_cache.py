@@ -296,8 +296,8 @@ def test_specblock_block_scores_never_exceed_their_parent(slot_log_probs, start_
     width = generator.max_width
     rnd = _Round(
         log_probs=[[[lp, -30.0] + [-60.0] * (width - 2) for lp in slot_log_probs]],
-        tokens=[[list(range(width)) for _ in slot_log_probs]], widths=[[2] * 4], hidden=torch.zeros(1, 4, 4),
-        entry_offsets=[0], inherited=numpy.zeros((1, 0), dtype=bool), start_nodes=[1],
+        tokens=[[list(range(width)) for _ in slot_log_probs]], widths=[[2] * 4], classes=[[1] * 4],
+        hidden=torch.zeros(1, 4, 4), entry_offsets=[0], inherited=numpy.zeros((1, 0), dtype=bool), start_nodes=[1],
     )  # fmt: skip
     generator._expand(tree, rnd)
     device_tree = tree.to_device("cpu")

@@ -133,10 +133,15 @@ def keep_crop(cache: DynamicCache, max_length: int) -> None:
 _CROP = DynamicCache.crop
 
 
-def harness_decode(harness, folder: Path, target, prompts: torch.Tensor) -> list[list[list[int]]]:
-    """The harness's greedy loop at its defaults (two block steps, 90 tree tokens) for each prompt: per iteration
-    the tokens it commits (the tree root, the accepted draft tokens; the bonus token is the next root)."""
-    os.environ.update(TREE_BUILD_TRITON="0", TREE_FINALIZE_CUDA="0", TREE_ATTN_TRITON="0", DRAFT_COMPILE="0")
+def harness_decode(
+    harness, folder: Path, target, prompts: list[torch.Tensor], feature_layers: list[int] = FEATURE_LAYERS,
+    new_tokens: int = NEW_TOKENS, rank_topk: int = 10,
+) -> list[list[list[int]]]:  # fmt: skip
+    """The harness's greedy loop at its defaults (two block steps, 90 tree tokens, rank features over the top
+    `rank_topk`) for each prompt: per iteration the tokens it commits (the tree root, the accepted draft tokens; the
+    bonus token is the next root)."""
+    os.environ.update(TREE_BUILD_TRITON="0", TREE_FINALIZE_CUDA="0", TREE_ATTN_TRITON="0", DRAFT_COMPILE="0",
+                      RANK_TOPK=str(rank_topk))  # fmt: skip
     algorithms = harness_module(harness, "specblock")
     for key, value in algorithms.SpecBlockAlgorithm._PARETO_DEFAULTS.items():
         os.environ.setdefault(key, value)
@@ -153,7 +158,7 @@ def harness_decode(harness, folder: Path, target, prompts: torch.Tensor) -> list
     model.input_layer.embed_tokens.weight.data.copy_(target.get_input_embeddings().weight)
     model.prepare_for_inference()
     algorithm.draft_model, algorithm.target_model = model, target
-    algorithm.hidden_layer_indices = FEATURE_LAYERS
+    algorithm.hidden_layer_indices = list(feature_layers)
     out = []
     try:
         for prompt in prompts:
@@ -161,7 +166,7 @@ def harness_decode(harness, folder: Path, target, prompts: torch.Tensor) -> list
             algorithm._verify_mask_buf = torch.full((1, 1, 256, 4096), float("-inf"))  # harness: bfloat16
             algorithm._block_forward_events = collections.defaultdict(list)
             with torch.no_grad():
-                final = list(algorithm._generate_once_streaming([], max_new_tokens=NEW_TOKENS, temperature=0.0))[-1]
+                final = list(algorithm._generate_once_streaming([], max_new_tokens=new_tokens, temperature=0.0))[-1]
             out.append([row["new_tokens"][:-1] for row in final["iteration_details"]])
     finally:
         DynamicCache.crop = _CROP

@@ -15,6 +15,7 @@ from ...utils import to_device
 from ..cache_utils import truncate_cache
 from ..tree import HostTree
 from .base import TreeCandidateGenerator, compiled_method
+from .specblock_reference_tree import REFERENCE_BEAM_WIDTH, grow_reference_tree
 
 
 @dataclass
@@ -26,6 +27,7 @@ class _Round:
     log_probs: list[list[list[float]]]  # [B][K][W] top draft log-probs per slot, best first
     tokens: list[list[list[int]]]  # [B][K][W] their target-vocabulary ids
     widths: list[list[int]]  # [B][K] candidates per slot (0 ends the branch)
+    classes: list[list[int]]  # [B][K] predicted rank class per slot
     hidden: torch.Tensor  # [B, K, H] pre-norm slot states, on the device
     entry_offsets: list[int]  # [B] first local cache entry of each block
     inherited: numpy.ndarray  # [B, T] bool: local entries each block saw
@@ -40,7 +42,8 @@ class SpecBlockCandidateGenerator(TreeCandidateGenerator):
     root's slots, then up to `max_blocks - 1` rounds of follow-up blocks, each round in ONE batched forward whose
     entries are cropped away afterwards. A round whose nodes could not survive pruning (each scores at most its start
     leaf's score, and `tree_budget` nodes already score higher) is skipped. `draft_tree` prunes the tree to
-    `tree_budget` nodes by cumulative draft log-prob.
+    `tree_budget` nodes by cumulative draft log-prob. With `tree_construction="reference"` the tree is grown as the
+    SpecBlock reference harness grows it instead (`specblock_reference_tree.grow_reference_tree`).
     """
 
     def __init__(
@@ -57,9 +60,12 @@ class SpecBlockCandidateGenerator(TreeCandidateGenerator):
         self.max_blocks = max_blocks if max_blocks is not None else config.max_blocks
         self.tree_policy = tree_policy if tree_policy is not None else config.tree_policy
         self.max_followups = config.max_followups
+        self.tree_construction = drafter.generation_config.tree_construction
         self.branch_widths = torch.tensor(config.branch_widths, device=drafter.device)
         # the most candidates a slot can get, known on the host (each block takes this many, then masks)
         widest = config.fixed_width if self.tree_policy == "fixed" else max(config.branch_widths)
+        if self.tree_construction == "reference":  # slot 0 of block 1 may take the harness's beam width
+            widest = max(max(config.branch_widths), REFERENCE_BEAM_WIDTH)
         self.max_width = max(1, min(widest, config.draft_vocab_size))
         self.cache = DynamicCache()
         self.committed_entries = 0
@@ -109,6 +115,8 @@ class SpecBlockCandidateGenerator(TreeCandidateGenerator):
         the follow-up blocks, their masks and the nodes cost no device op."""
         if self.root_block is None:
             raise RuntimeError("observe() must feed the committed context before draft_tree().")
+        if self.tree_construction == "reference":
+            return grow_reference_tree(self)
         start = time.perf_counter()
         k_slots = self.block_size
         tree = HostTree.root_only()
@@ -132,36 +140,45 @@ class SpecBlockCandidateGenerator(TreeCandidateGenerator):
             if not chosen:
                 break
             num_slots = min(max(rooms), k_slots)
-            parent_slots = len(rnd.widths[0])
-            inherited = numpy.zeros((len(chosen), local_entries), dtype=bool)
-            for row, (_, block, slot, _) in enumerate(chosen):  # what the parent block saw, and its slots 0..s
-                inherited[row, : rnd.inherited.shape[1]] = rnd.inherited[block]
-                inherited[row, rnd.entry_offsets[block] : rnd.entry_offsets[block] + slot + 1] = True
-            start_nodes = [node for node, _, _, _ in chosen]
-            device = self.drafter.device
-            positions = self.drafter.followup_start_positions(self.root_position, [tree.depths[n] for n in start_nodes])
-            # one copy: the start slots among the round's [B * K] states, the start tokens, their positions
-            inputs = to_device([[block * parent_slots + slot for _, block, slot, _ in chosen],
-                                [tree.tokens[n] for n in start_nodes], positions], device)  # fmt: skip
-            mask = followup_block_mask(inherited, num_slots, self.committed_entries - k_slots, device)  # [1, R, S]
-            out = compiled_method(self.drafter, "draft_blocks")(
-                rnd.hidden.flatten(0, 1)[inputs[:1]],  # [1, blocks, H]
-                inputs[1:2],
-                inputs[2:],
-                mask,
-                self.cache,
-                num_slots=num_slots,
-            )
-            self.stats.drafter_forwards += 1
-            offsets = [local_entries + num_slots * i for i in range(len(chosen))]
-            rnd = self._read_round(out.logits[0], out.hidden_states[0], out.rank_logits[0], start_nodes, inherited,
-                                   offsets)  # fmt: skip
+            rnd = self._draft_followups(tree, rnd, [leaf[:3] for leaf in chosen], local_entries, num_slots)
             local_entries += num_slots * len(chosen)
             blocks += len(chosen)
         truncate_cache(self.cache, self.committed_entries)
         self.stats.blocks_per_iteration.append(blocks)
         self._account(start, forwards=0)
         return tree
+
+    def _draft_followups(
+        self, tree: HostTree, rnd: _Round, chosen: list[tuple[int, int, int]], local_entries: int, num_slots: int
+    ) -> _Round:
+        """One batched drafter forward of follow-up blocks, each (start node, its block in `rnd`, its slot) starting
+        from that slot's state and the node's token, seeing what its block saw and that block's slots 0..slot;
+        `local_entries` drafter entries of this iteration precede them. Returns their round."""
+        k_slots = self.block_size
+        parent_slots = len(rnd.widths[0])
+        inherited = numpy.zeros((len(chosen), local_entries), dtype=bool)
+        for row, (_, block, slot) in enumerate(chosen):  # what the parent block saw, and its slots 0..s
+            inherited[row, : rnd.inherited.shape[1]] = rnd.inherited[block]
+            inherited[row, rnd.entry_offsets[block] : rnd.entry_offsets[block] + slot + 1] = True
+        start_nodes = [node for node, _, _ in chosen]
+        device = self.drafter.device
+        positions = self.drafter.followup_start_positions(self.root_position, [tree.depths[n] for n in start_nodes])
+        # one copy: the start slots among the round's [B * K] states, the start tokens, their positions
+        inputs = to_device([[block * parent_slots + slot for _, block, slot in chosen],
+                            [tree.tokens[n] for n in start_nodes], positions], device)  # fmt: skip
+        mask = followup_block_mask(inherited, num_slots, self.committed_entries - k_slots, device)  # [1, R, S]
+        out = compiled_method(self.drafter, "draft_blocks")(
+            rnd.hidden.flatten(0, 1)[inputs[:1]],  # [1, blocks, H]
+            inputs[1:2],
+            inputs[2:],
+            mask,
+            self.cache,
+            num_slots=num_slots,
+        )
+        self.stats.drafter_forwards += 1
+        offsets = [local_entries + num_slots * i for i in range(len(chosen))]
+        return self._read_round(out.logits[0], out.hidden_states[0], out.rank_logits[0], start_nodes, inherited,
+                                offsets)  # fmt: skip
 
     def _read_round(
         self, logits: torch.Tensor, hidden: torch.Tensor, rank_logits: torch.Tensor, start_nodes: list[int],
@@ -171,13 +188,15 @@ class SpecBlockCandidateGenerator(TreeCandidateGenerator):
         candidates, their target-vocabulary ids and the slot widths read back in ONE host read."""
         top_lp, top_ids = logits.float().log_softmax(-1).topk(self.max_width, dim=-1)  # [B, K, W]
         # float32 holds every id exactly (vocabularies < 2^24 tokens)
-        columns = [top_lp, self.drafter.d2t[top_ids].float(), self._widths(rank_logits)[..., None].float()]
-        table = torch.cat(columns, dim=-1).tolist()  # [B][K][2W + 1]
+        classes = rank_logits.argmax(-1, keepdim=True)
+        columns = [top_lp, self.drafter.d2t[top_ids].float(), self._widths(rank_logits)[..., None].float(), classes]
+        table = torch.cat(columns, dim=-1).tolist()  # [B][K][2W + 2]
         width = self.max_width
         return _Round(
             log_probs=[[slot[:width] for slot in block] for block in table],
             tokens=[[[int(t) for t in slot[width : 2 * width]] for slot in block] for block in table],
-            widths=[[int(slot[-1]) for slot in block] for block in table],
+            widths=[[int(slot[-2]) for slot in block] for block in table],
+            classes=[[int(slot[-1]) for slot in block] for block in table],
             hidden=hidden,
             entry_offsets=entry_offsets or [0],
             inherited=inherited,

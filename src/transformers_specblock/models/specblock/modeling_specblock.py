@@ -15,6 +15,7 @@ from transformers.utils import ModelOutput
 
 from ...utils import additive_mask, to_device
 from ..tree_drafter.checkpoint_io import PublishedCheckpointMixin
+from ..tree_drafter.generation_config import TreeGenerationConfig
 from ..tree_drafter.modeling_tree_drafter import TreeDraftModel
 from .configuration_specblock import SpecBlockConfig
 from .convert_specblock import convert_published_specblock, detect_specblock_layout, export_specblock_reference
@@ -131,6 +132,14 @@ class SpecBlockDraftModel(SpecBlockPreTrainedModel):
 
     The token path reads the TARGET's input embedding, bound with `bind_target` and never saved with the drafter.
     """
+
+    tree_constructions = ("package", "reference")  # "reference": `specblock_reference_tree`
+
+    def check_drafting_settings(self, settings: TreeGenerationConfig) -> None:
+        """Reference-built trees are not online-adapted (their nodes are merged after drafting)."""
+        super().check_drafting_settings(settings)
+        if settings.tree_construction == "reference" and settings.online_adaptation != "off":
+            raise ValueError('tree_construction="reference" drafts without online adaptation: set online_adaptation="off".')
 
     def __init__(self, config: SpecBlockConfig) -> None:
         super().__init__(config)

@@ -21,9 +21,12 @@ DEFAULT_WARMUP_COST = 2.0  # the warm-up's trees cost the target at most two pla
 # online_adaptation policies: no update / whole drafter after every call (OSD-style) / output side after every call /
 # cost-aware choice between skip and whole drafter / cost-aware choice between skip, output side and whole drafter
 ADAPTATION_POLICIES = ("off", "always", "head_only", "full", "bandit")
+# how a drafter grows its trees: this package's way, or as the drafter's reference implementation does (SpecBlock)
+TREE_CONSTRUCTIONS = ("package", "reference")
 # name -> default of every drafting setting (`TreeGenerationConfig`)
 DRAFTING_DEFAULTS: dict[str, Any] = {
     "tree_budget": AUTO,
+    "tree_construction": "package",
     "auto_budget_candidates": list(DEFAULT_CANDIDATES),
     "auto_budget_warmup": 8,
     "auto_budget_warmup_cost": DEFAULT_WARMUP_COST,
@@ -76,6 +79,10 @@ class TreeGenerationConfig(GenerationConfig):
             largest candidate the target verifies for at most `auto_budget_warmup_cost` plain steps, then over a
             window of recent steps). A candidate 0 means "do not speculate" and wins
             where no tree pays for itself (a weak drafter on a slow device).
+        tree_construction: How the drafter grows a tree: "package" (default) or "reference", as the drafter's
+            reference implementation does where the drafter has one (SpecBlock: the authors' inference harness at its
+            defaults, `generation/candidate_generators/specblock_reference_tree.py`; `tree_budget`, `max_blocks` and
+            `branch_widths` apply, `max_followups` and `tree_policy` do not); a drafter without one refuses it.
         auto_budget_warmup_cost: With tree_budget="auto", the warm-up drafts with the largest candidate whose tree
             the target verifies for at most this many plain steps, by the measured cost curve (on a GPU the largest
             candidate; on a CPU, where a large tree costs several steps, a smaller one, so a first call does not pay
@@ -151,6 +158,8 @@ class TreeGenerationConfig(GenerationConfig):
     def validate_settings(self) -> None:
         """Raise a ValueError naming the first inconsistent drafting setting."""
         check_tree_budget(self.tree_budget)
+        if self.tree_construction not in TREE_CONSTRUCTIONS:
+            raise ValueError(f"tree_construction must be one of {TREE_CONSTRUCTIONS}, got {self.tree_construction!r}.")
         if not self.auto_budget_candidates or any(
             not isinstance(b, int) or isinstance(b, bool) or b < 0 for b in self.auto_budget_candidates
         ):

@@ -64,6 +64,7 @@ class TreeDraftModel(PreTrainedModel):
     # this drafter class's decoding defaults, over `TreeGenerationConfig`'s (a checkpoint without
     # generation_config.json gets them)
     generation_defaults: dict[str, Any] = {}
+    tree_constructions: tuple[str, ...] = ("package",)  # the `tree_construction` values this drafter can draft with
 
     def __init__(self, config, *args: Any, **kwargs: Any) -> None:
         super().__init__(config, *args, **kwargs)
@@ -93,6 +94,11 @@ class TreeDraftModel(PreTrainedModel):
         """Raise a ValueError naming the first setting of `settings` this drafter cannot draft with (subclasses add
         their own checks)."""
         settings.validate_settings()
+        if settings.tree_construction not in self.tree_constructions:
+            raise ValueError(
+                f"{type(self).__name__} grows trees with tree_construction in {self.tree_constructions}, "
+                f"got {settings.tree_construction!r}."
+            )
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
