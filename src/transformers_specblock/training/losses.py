@@ -267,25 +267,51 @@ def draft_loss(
 
 
 def followup_training_mask(
-    num_positions: int, block_size: int, increments: Sequence[int], device: torch.device | str
+    num_positions: int,
+    block_size: int,
+    increments: Sequence[int],
+    device: torch.device | str,
+    query_positions: torch.LongTensor | None = None,
 ) -> torch.BoolTensor:
-    """[P*K, (b+1)*P*K] visibility for follow-up block b (after b earlier blocks, all in one cache).
+    """[Q*K, P*K + b*Q*K] visibility for follow-up block b (after b earlier blocks, all in one cache).
 
     ``increments[c]`` = M of the block started from block c (it inherits slot M-1). Slot k of position i sees
     block 1's slots of positions < i, slots 0..M-1 of every earlier block at position i (the chain it extends), and
-    its own slots 0..k, as `followup_block_mask` does at inference.
+    its own slots 0..k, as `followup_block_mask` does at inference. The follow-up blocks run at ``query_positions``
+    (Q sorted positions, default all P): block 1 holds every position, every follow-up block only those.
     """
-    pos = torch.arange(num_positions, device=device).repeat_interleave(block_size)
-    slot = torch.arange(block_size, device=device).repeat(num_positions)
-    same_pos = pos[None, :] == pos[:, None]
+    every = torch.arange(num_positions, device=device)
+    query = every if query_positions is None else query_positions.to(device)
+    pos = query.repeat_interleave(block_size)
+    slot = torch.arange(block_size, device=device).repeat(query.numel())
     parts = []
     for c, m in enumerate(increments):
-        visible = same_pos & (slot[None, :] < m)
+        key_pos = every.repeat_interleave(block_size) if c == 0 else pos
+        key_slot = torch.arange(block_size, device=device).repeat(key_pos.numel() // block_size)
+        visible = (key_pos[None, :] == pos[:, None]) & (key_slot[None, :] < m)
         if c == 0:
-            visible = visible | (pos[None, :] < pos[:, None])
+            visible = visible | (key_pos[None, :] < pos[:, None])
         parts.append(visible)
-    parts.append(same_pos & (slot[None, :] <= slot[:, None]))
+    parts.append((pos[None, :] == pos[:, None]) & (slot[None, :] <= slot[:, None]))
     return torch.cat(parts, dim=1)
+
+
+def followup_query_positions(
+    counted_tokens: torch.BoolTensor, offsets: Sequence[int], num_positions: int, block_size: int
+) -> torch.LongTensor:
+    """The positions the follow-up blocks run at: those where a slot of some follow-up block counts in some batch
+    row (``counted_tokens`` [B, T]: real assistant tokens; ``offsets``: the blocks' cumulative offsets).
+
+    Exact: a follow-up block's state at position i is read only by its own loss terms at i and, through the cache,
+    by later follow-up blocks at the same position i (`followup_training_mask`); a position where no follow-up slot
+    counts contributes nothing to the loss, its gradient or the metrics. At least one position (a block with no
+    counted slot still runs, as every process must run the same blocks)."""
+    keep = torch.zeros(num_positions, dtype=torch.bool, device=counted_tokens.device)
+    for offset in offsets:  # slot k of position i predicts token i + 2 + offset + k
+        keep |= slot_windows(counted_tokens, 2 + offset, num_positions, block_size, False).any(-1).any(0)
+    if not keep.any():
+        keep[0] = True
+    return keep.nonzero().squeeze(-1)
 
 
 def _all_reduce(tensor: torch.Tensor) -> tuple[torch.Tensor, int]:

@@ -32,8 +32,9 @@ block 1's greedy chain, ``1 + sum_k P(slots 0..k all right)``) and ``rank_acc`` 
 Cost: the draft ``lm_head``, the rank head and the loss run only on the slots a term reads (`block_terms`): with
 gradient on the slots a loss counts (assistant tokens; later slots only where the valid prefix survives), forward
 only on block 1's other counted slots (the logged accuracy); the loss, its gradient and the metrics are those of the
-dense computation. Attention masks are [P*K, num_blocks*P*K] for
-the last block; ``--drafter_attn_implementation sparse_sdpa`` (`training.attention`) skips the keys they hide.
+dense computation. The follow-up blocks run only at the Q positions where one of their slots counts in some row
+(`followup_query_positions`; exact, as a follow-up state is read only at its own position). Attention masks are
+[Q*K, P*K + (num_blocks-1)*Q*K] for the last block; ``--drafter_attn_implementation sparse_sdpa`` (`training.attention`) skips the keys they hide.
 ``max_length`` and the batch size bound the memory.
 """
 
@@ -54,6 +55,7 @@ from .losses import (
     _all_reduce,
     block_terms,
     draft_loss,
+    followup_query_positions,
     followup_training_mask,
     rank_head_loss,
     reference_rank_loss,
@@ -138,22 +140,25 @@ class SpecBlockDraftModelForTraining(SpecBlockDraftModel):
             compute_heads=False,
         ).hidden_states
         terms = [terms_of(hidden, 0, metrics=True)]  # block 1's accuracy and acceptance are logged
-        offset = 0
-        for b, m in enumerate(followup_offsets, start=1):
+        for m in followup_offsets:
             if not 1 <= m <= k_slots:
                 raise ValueError(f"Follow-up offsets must lie in 1..{k_slots}, got {m}.")
-            offset += m
+        offsets = [sum(followup_offsets[: b + 1]) for b in range(len(followup_offsets))]
+        # the follow-up blocks run only where one of their slots counts (exact: see `followup_query_positions`)
+        query = followup_query_positions(counted_tokens, offsets, num_pos, k_slots) if offsets else None
+        for b, (m, offset) in enumerate(zip(followup_offsets, offsets), start=1):
             # (a block past the end of short sequences still runs: every process must run the same blocks)
-            token_idx = (torch.arange(num_pos, device=device) + 1 + offset).clamp(max=length - 1)
+            token_idx = (query + 1 + offset).clamp(max=length - 1)
             hidden = self.draft_blocks(
-                hidden[:, :, m - 1],
+                hidden[:, query, m - 1] if b == 1 else hidden[:, :, m - 1],
                 input_ids[:, token_idx],
-                positions if block1_positions else positions + offset,
-                followup_training_mask(num_pos, k_slots, list(followup_offsets[:b]), device)[None],
+                positions[:, query] + (0 if block1_positions else offset),
+                followup_training_mask(num_pos, k_slots, list(followup_offsets[:b]), device, query)[None],
                 cache,
                 compute_heads=False,
             ).hidden_states
-            terms.append(terms_of(hidden, offset))
+            dense = hidden.new_zeros(batch, num_pos, *hidden.shape[2:]).index_copy(1, query, hidden)
+            terms.append(terms_of(dense, offset))
 
         # ---- normalisers, summed over processes
         draft_masks = [

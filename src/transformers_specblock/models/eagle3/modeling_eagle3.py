@@ -315,15 +315,17 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
         causal = additive_mask(slots[None, :] <= slots[:, None], self.dtype)  # [P, P]
         hidden = self.fuse_features(features[:, :num_pos])
         ttt_kv: list[tuple[torch.Tensor, torch.Tensor]] = []
-        all_logits, all_hidden = [], []
+        all_hidden = []
         for s in range(steps):
             token_idx = (slots + 1 + s).clamp(max=length - 1)  # slots past the end run on a clamped token
             positions = (slots + 1 + s)[None].expand(batch, -1)
             position_embeddings = self.rotary_emb(hidden, positions)
             hidden = self.layer(token_embeds[:, token_idx], hidden, position_embeddings, causal, ttt_kv=ttt_kv)
             all_hidden.append(hidden)
-            all_logits.append(self.output_logits(hidden))
 
+        # with a loss the head runs only on the slots it reads (below); the dense logits only when asked for
+        dense = target_logits is None or return_all_steps
+        all_logits = [self.output_logits(h) for h in all_hidden] if dense else [None] * steps
         output = Eagle3Output(
             logits=all_logits[0],
             hidden_states=all_hidden[0],
@@ -347,20 +349,39 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
             lookup[self.d2t.to(device)] = torch.arange(self.config.draft_vocab_size, device=device)
             target_index = lookup[target_argmax.to(device)]
 
+        # step s of slot i compares with target position j = i+1+s and predicts token j+1 (past the end: no flag)
+        def step_view(values: torch.Tensor, start: int, fill: int | bool) -> torch.Tensor:
+            view = values[:, start : start + num_pos]  # [B, P]: slot i reads values[:, start + i]
+            return nn.functional.pad(view, (0, num_pos - view.shape[1]), value=fill)
+
         ce_cols, mask_cols, correct_cols, counted_cols, exists_cols = [], [], [], [], []
-        for s, logits in enumerate(all_logits):
-            j = 1 + s  # target position of slot 0 at this step
-            n = max(0, min(num_pos, length - 1 - j))  # slots whose predicted token x_{i+j+1} exists
-            log_q = logits[:, :n].float().log_softmax(-1)
-            ce = -(target_probs[:, j : j + n] * log_q).sum(-1)
-            tid = target_index[:, j : j + n]
-            counted = counted_tokens[:, j + 1 : j + 1 + n]
-            pad = (0, num_pos - n)
-            ce_cols.append(nn.functional.pad(ce, pad))
-            mask_cols.append(nn.functional.pad(counted & (tid >= 0), pad))
-            correct_cols.append(nn.functional.pad((log_q.detach().argmax(-1) == tid) & (tid >= 0), pad))
-            counted_cols.append(nn.functional.pad(counted, pad))
-            exists_cols.append(nn.functional.pad(real[:, j + 1 : j + 1 + n], pad))
+        alive = None  # rows of the logged chain whose steps so far were all right
+        for s, step_hidden in enumerate(all_hidden):
+            tid = step_view(target_index[:, : length - 1], 1 + s, -1)
+            counted = step_view(counted_tokens, 2 + s, False)
+            exists = step_view(real, 2 + s, False)
+            mask = counted & (tid >= 0)
+            if alive is None:
+                alive = counted & step_view(real, 2 + steps - 1, False)  # chain rows: slot counted, chain inside
+            # the loss and its per-step counts read `mask`; the chain also reads correctness on its live rows
+            rows = mask.nonzero(as_tuple=True)
+            logits = self.output_logits(step_hidden[rows])
+            log_q = logits.float().log_softmax(-1)
+            ce = torch.zeros(batch, num_pos, device=device).index_put(
+                rows, -(target_probs[rows[0], rows[1] + 1 + s] * log_q).sum(-1)
+            )
+            correct = torch.zeros_like(mask)
+            correct[rows] = log_q.detach().argmax(-1) == tid[rows]
+            chain_rows = (alive & (tid >= 0) & ~mask).nonzero(as_tuple=True)
+            if chain_rows[0].numel():
+                with torch.no_grad():
+                    correct[chain_rows] = self.output_logits(step_hidden[chain_rows]).argmax(-1) == tid[chain_rows]
+            alive = alive & correct
+            ce_cols.append(ce)
+            mask_cols.append(mask)
+            correct_cols.append(correct)
+            counted_cols.append(counted)
+            exists_cols.append(exists)
         ce, mask = torch.stack(ce_cols, -1), torch.stack(mask_cols, -1)  # [B, P, steps]
         correct, counted, exists = (torch.stack(c, -1) for c in (correct_cols, counted_cols, exists_cols))
 
