@@ -220,5 +220,7 @@ def test_a_new_process_goes_on_from_what_auto_learnt(tmp_path, monkeypatch):
 
     other = make_drafter(target, seed=1, **settings)  # other weights learn for themselves
     assert auto_budget_for(other, target).trees == 0
+    for setting in ({"online_adaptation": "bandit"}, {"tree_construction": "reference"}):  # other trees, other costs
+        assert auto_budget_for(make_drafter(target, **settings, **setting), target).trees == 0, setting
     off = make_drafter(target, auto_budget_cost_cache=False, **settings)
     assert auto_budget_for(off, target).trees == 0 and auto_budget_for(off, target).state_path is None

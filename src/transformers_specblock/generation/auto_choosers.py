@@ -57,10 +57,12 @@ def save_chooser(chooser: AutoBudget) -> None:
 
 def chooser_key(drafter: TreeDraftModel, target: PreTrainedModel, key: tuple) -> str:
     """What a chooser's learnt state depends on: the host, the target's architecture, dtype and device, the drafter's
-    weights and architecture, the candidates and free-candidate settings (`key`) and the warm-up settings."""
+    weights and architecture, the candidates and free-candidate settings (`key`), the warm-up settings, how trees
+    are built and whether the drafter adapts while serving (both change what a tree commits and costs)."""
     settings = drafter.generation_config
     return digest([
         hardware_fingerprint(target.device), target_architecture_fingerprint(target), str(target.dtype),
         type(drafter).__name__, weights_fingerprint(drafter), drafter.config.to_dict(), repr(key),
-        settings.auto_budget_warmup, settings.auto_budget_warmup_cost,
+        settings.auto_budget_warmup, settings.auto_budget_warmup_cost, settings.tree_construction,
+        settings.online_adaptation,
     ])  # fmt: skip
