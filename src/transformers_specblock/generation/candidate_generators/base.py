@@ -82,6 +82,7 @@ class TreeCandidateGenerator(CandidateGenerator):
         self.stats = DraftingStats()
         self.tree: DraftTree | None = None
         self.queued: list[tuple[torch.Tensor, torch.LongTensor]] = []  # (features [P, 3H], next tokens [P])
+        self.unread_positions = 0  # positions queued and not read yet: what the next draft first catches up on
         self.queued_first_position = 0
         self.has_read = False  # whether the drafter has read any context yet
         self.free_candidates = free_candidates_for(drafter, state)
@@ -102,6 +103,7 @@ class TreeCandidateGenerator(CandidateGenerator):
         if not self.queued:
             self.queued_first_position = first_position
         self.queued.append((target_features, next_tokens))
+        self.unread_positions += next_tokens.shape[0]
         if self.context_size:
             self._extend_context(target_features, next_tokens, first_position)
 
@@ -114,10 +116,6 @@ class TreeCandidateGenerator(CandidateGenerator):
             )
         self.context = (features[-self.context_size :], tokens[-self.context_size :], positions[-self.context_size :])
 
-    @property
-    def unread_positions(self) -> int:
-        """Committed positions queued for the drafter and not read yet: what its next draft first catches up on."""
-        return sum(tokens.shape[0] for _, tokens in self.queued)
 
     def read_queued(self) -> int:
         """Feed every queued position to the drafter in one `observe`; returns how many steps were queued."""
@@ -127,6 +125,7 @@ class TreeCandidateGenerator(CandidateGenerator):
             tokens = torch.cat([t for _, t in self.queued]) if steps > 1 else self.queued[0][1]
             self.observe(features, tokens, first_position=self.queued_first_position)
             self.queued.clear()
+            self.unread_positions = 0
             self.has_read = True
         return steps
 
