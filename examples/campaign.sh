@@ -9,7 +9,7 @@
 #      SAVE_STEPS steps, a few minutes; one whose save was interrupted is passed over), same schedule and data order;
 #   2. else the campaign's last committed weights, docs/results/campaign/DRAFTER/ (when a machine lost its files):
 #      a new run from them with a short warm-up (WARMUP_AFTER_LOSS steps) over the steps left, recorded in
-#      docs/results/campaign/sessions.jsonl and in the run's own records (its command names --init_drafter);
+#      docs/results/campaign/starts.jsonl and in the run's own records (its command names --init_drafter);
 #   3. else the shipped drafter (the first start).
 # DRY_RUN=1 prints the command instead. The data (CAMPAIGN_DIR/data/train.jsonl) is built first if missing: examples/campaign_data.py.
 # Afterwards, `python examples/campaign_curve.py DRAFTER CAMPAIGN_DIR` appends the new held-out evaluations to
@@ -75,7 +75,7 @@ if [ -n "${DRY_RUN:-}" ]; then  # print what would run, start nothing
 fi
 mkdir -p "$REPO/docs/results/campaign"
 echo "{\"date\": \"$(date -u +%FT%TZ)\", \"drafter\": \"$DRAFTER\", \"output_dir\": \"$OUT\", \"start\": \"$HOW\"}" \
-  >> "$REPO/docs/results/campaign/sessions.jsonl"
+  >> "$REPO/docs/results/campaign/starts.jsonl"
 cd "$REPO"
 PYTHONPATH=$REPO/src OMP_NUM_THREADS=1 nohup nice -n 19 "$PYTHON" -m transformers_specblock.train \
   "${COMMON[@]}" "${RECIPE[@]}" "${START[@]}" --output_dir "$OUT" >> "$OUT/train.log" 2>&1 &
