@@ -64,9 +64,11 @@ def train_main(argv: Sequence[str] | None = None) -> None:
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     model_args, data_args, training_args = parse_train_args(argv)
-    run_training(model_args, data_args, training_args, command="specblock-train " + shlex.join(argv))
-
-
+    trainer = run_training(model_args, data_args, training_args, command="specblock-train " + shlex.join(argv))
+    # Under torchrun, no process may exit while another still saves; then the process group closes cleanly (a
+    # process leaving with its group open can abort at interpreter exit).
+    trainer.accelerator.wait_for_everyone()
+    trainer.accelerator.end_training()
 
 
 @dataclass
