@@ -162,3 +162,30 @@ def test_time_budget_stops_the_run_and_drives_the_schedule(workspace, monkeypatc
         parse_train_args(common_args(workspace, out, "--max_train_minutes", "1", "--lr_scheduler_type", "polynomial"))
     with pytest.raises(ValueError, match="max_train_minutes"):
         parse_train_args(common_args(workspace, out, "--max_train_minutes", "0"))
+
+
+def test_decoder_layers_start_from_the_targets_top_layers():
+    """--init_decoder_from_target: drafter layer i of N starts as target layer L-N+i; EAGLE-3's 2H-wide q/k/v keep
+    (and its own hidden-state norm) keep their start and are named; combined with --init_drafter the option is refused."""
+    from transformers_specblock import Eagle3DraftModel
+    from transformers_specblock.training import ModelArguments, init_decoder_from_target
+    from transformers_specblock.training.run import _build_drafter
+
+    target = make_target("llama")
+    top = target.get_decoder().layers
+    drafter = SpecBlockDraftModel.from_target(target, num_hidden_layers=2)
+    assert init_decoder_from_target(drafter, target) == []
+    for layer, source in zip(drafter.layers, top[-2:]):
+        for name, weight in source.state_dict().items():
+            assert torch.equal(layer.state_dict()[name], weight), name
+
+    eagle3 = Eagle3DraftModel.from_target(target)
+    skipped = init_decoder_from_target(eagle3, target)
+    assert sorted(skipped) == ["layers.0.hidden_norm.weight"] + [f"layers.0.self_attn.{p}_proj.weight" for p in "kqv"]
+    for name in ("mlp.up_proj.weight", "mlp.down_proj.weight", "self_attn.o_proj.weight"):
+        assert torch.equal(eagle3.layer.state_dict()[name], top[-1].state_dict()[name]), name
+    assert not torch.equal(eagle3.layer.self_attn.q_proj.weight[:, -64:], top[-1].self_attn.q_proj.weight)
+
+    args = ModelArguments(target_model="tiny", init_drafter="anything", init_decoder_from_target=True)
+    with pytest.raises(ValueError, match="cannot be combined with --init_drafter"):
+        _build_drafter(args, target, None)

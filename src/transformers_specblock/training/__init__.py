@@ -77,7 +77,13 @@ from .run import (
     training_info,
 )
 from .trainer import SpecBlockTrainer
-from .vocab import build_draft_vocab, default_draft_vocab_size, init_head_from_target, set_draft_vocab
+from .vocab import (
+    build_draft_vocab,
+    default_draft_vocab_size,
+    init_decoder_from_target,
+    init_head_from_target,
+    set_draft_vocab,
+)
 
 __all__ = [
     "DRAFTERS",
@@ -102,6 +108,7 @@ __all__ = [
     "draft_target_logits",
     "features_bytes_per_token",
     "followup_training_mask",
+    "init_decoder_from_target",
     "init_head_from_target",
     "load_conversations",
     "normalize_conversation",

@@ -94,6 +94,13 @@ class ModelArguments:
             "embedding), so the drafter only has to learn the target's hidden-state space. Needs equal hidden sizes."
         },
     )
+    init_decoder_from_target: bool = field(
+        default=False,
+        metadata={
+            "help": "Start a new drafter's decoder layers from the target's top layers (drafter layer i of N from "
+            "target layer L-N+i; weights whose shapes differ stay random, e.g. EAGLE-3's 2H-wide q/k/v)."
+        },
+    )
     fusion_identity_init: bool = field(
         default=False,
         metadata={

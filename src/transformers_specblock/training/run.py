@@ -36,7 +36,13 @@ from .dflash import DFlashDraftModelForTraining, DFlashTrainer, build_dflash_dra
 from .features import PrecomputedFeatures, precompute_features
 from .modeling import SpecBlockDraftModelForTraining
 from .trainer import SpecBlockTrainer, last_complete_checkpoint, session_records
-from .vocab import build_draft_vocab, default_draft_vocab_size, init_head_from_target, set_draft_vocab
+from .vocab import (
+    build_draft_vocab,
+    default_draft_vocab_size,
+    init_decoder_from_target,
+    init_head_from_target,
+    set_draft_vocab,
+)
 
 logger = logging.get_logger(__name__)
 
@@ -117,6 +123,8 @@ def _build_drafter(
             "--block_size / --drafter_num_layers / --fusion_identity_init are SpecBlock settings; EAGLE-3 has one "
             "layer and no fusion."
         )
+    if model_args.init_drafter and model_args.init_decoder_from_target:
+        raise ValueError("--init_decoder_from_target starts a new drafter; it cannot be combined with --init_drafter.")
     if model_args.init_drafter:
         with explain_hub_errors(model_args.init_drafter, kind="drafter", names="a shipped drafter"):
             config = config_class.from_pretrained(model_args.init_drafter)
@@ -159,6 +167,8 @@ def _build_drafter(
         set_draft_vocab(drafter, d2t)
         if model_args.init_head_from_target:
             init_head_from_target(drafter, target)
+        if model_args.init_decoder_from_target:
+            init_decoder_from_target(drafter, target)
         logger.warning(
             f"Draft vocabulary: {config.draft_vocab_size} of {vocab_size} target tokens, covering "
             f"{100 * coverage:.2f}% of the training assistant tokens."

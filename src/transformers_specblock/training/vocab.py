@@ -1,5 +1,5 @@
 """The draft vocabulary (``d2t`` / ``t2d``: the most frequent assistant tokens of the training data) and a new
-drafter's head initialised from the target's."""
+drafter's head (and, on request, its decoder layers) initialised from the target's."""
 
 from __future__ import annotations
 
@@ -8,9 +8,12 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 import torch
 from transformers import PreTrainedModel
+from transformers.utils import logging
 
 from ..models.specblock.modeling_specblock import SpecBlockDraftModel
 from .features import _target_head
+
+logger = logging.get_logger(__name__)
 
 
 def default_draft_vocab_size(vocab_size: int) -> int:
@@ -61,3 +64,29 @@ def init_head_from_target(drafter: SpecBlockDraftModel, target: PreTrainedModel)
     with torch.no_grad():
         drafter.lm_head.weight.copy_(weight[drafter.d2t.to(weight.device)].to(drafter.lm_head.weight))
         drafter.norm.weight.copy_(final_norm.weight.to(drafter.norm.weight))
+
+
+def init_decoder_from_target(drafter: PreTrainedModel, target: PreTrainedModel) -> list[str]:
+    """Copy the target's top decoder layers into the drafter's: drafter layer i of N starts as target layer L-N+i.
+    Every weight whose name and shape match is copied; returns the names of those that did not (EAGLE-3's attention
+    reads 2H-wide inputs, so its q/k/v projections stay random). Raises when nothing fits."""
+    ours = list(drafter.layers) if hasattr(drafter, "layers") else [drafter.layer]
+    theirs = list(target.get_decoder().layers)[-len(ours):]
+    copied, skipped = 0, []
+    with torch.no_grad():
+        for index, (layer, source) in enumerate(zip(ours, theirs)):
+            source_weights = source.state_dict()
+            for name, weight in layer.state_dict().items():
+                if name in source_weights and source_weights[name].shape == weight.shape:
+                    weight.copy_(source_weights[name].to(weight))
+                    copied += 1
+                else:
+                    skipped.append(f"layers.{index}.{name}")
+    if not copied:
+        raise ValueError(
+            "--init_decoder_from_target: no decoder weight of the target fits the drafter's (hidden or "
+            "intermediate sizes differ); drop the option."
+        )
+    if skipped:
+        logger.warning(f"--init_decoder_from_target: kept random (no matching target weight): {', '.join(skipped)}.")
+    return skipped
