@@ -165,8 +165,8 @@ def test_time_budget_stops_the_run_and_drives_the_schedule(workspace, monkeypatc
 
 
 def test_decoder_layers_start_from_the_targets_top_layers():
-    """--init_decoder_from_target: drafter layer i of N starts as target layer L-N+i; EAGLE-3's 2H-wide q/k/v keep
-    (and its own hidden-state norm) keep their start and are named; combined with --init_drafter the option is refused."""
+    """--init_decoder_from_target: drafter layer i of N starts as target layer L-N+i; EAGLE-3's 2H-wide q/k/v and
+    its own hidden-state norm keep their start and are named; combined with --init_drafter the option is refused."""
     from transformers_specblock import Eagle3DraftModel
     from transformers_specblock.training import ModelArguments, init_decoder_from_target
     from transformers_specblock.training.run import _build_drafter
