@@ -1,38 +1,54 @@
 #!/usr/bin/env bash
-# Which answers should a drafter learn from: the target's own (regenerated) or ShareGPT's? An A/B at equal tokens.
+# Short A/Bs at equal training tokens: which answers a drafter should learn from (the target's own, regenerated, or
+# ShareGPT's), and recipe changes on ShareGPT's answers.
 #
-#   examples/data_ab.sh [ROOT] [TOKENS]            (defaults: /work/campaign/ab 150000; NICE=19 by default)
+#   examples/data_ab.sh [ROOT] [TOKENS] [ARMS]   (defaults: /work/campaign/ab 150000 regenerated,sharegpt; NICE=19)
 #
-# Two new SpecBlock drafters with the campaign recipe (K 4, 2 blocks, slot-0 normalisation, identity fusion, cosine,
-# lr 7e-4, batch 2, bfloat16 autocast, seed 0), one on the 3,456 answers the target wrote (greedy, kept compressed in
-# docs/results/gpu-h200-2026-11-30/), one on ShareGPT's own answers (train split). Each trains for about TOKENS
-# training tokens (its step count from its data's mean conversation length), evaluating every 25 steps on the
-# ShareGPT held-out split. Compare the curves against tokens:
+# Arms (new SpecBlock drafters with the campaign recipe: K 4, 2 blocks, slot-0 normalisation, identity fusion,
+# cosine, lr 7e-4, batch 2, bfloat16 autocast, seed 0):
+#   regenerated  on the 3,456 answers the target wrote (greedy, kept compressed in docs/results/gpu-h200-2026-11-30/)
+#   sharegpt     on ShareGPT's own answers (train split)
+#   head-start   sharegpt, its decoder layers started from the target's top layers (--init_decoder_from_target)
+#   one-layer    sharegpt, one decoder layer instead of two (--drafter_num_layers 1)
+# Each trains for about TOKENS training tokens (its step count from its data's mean conversation length), evaluating
+# every 25 steps on the ShareGPT held-out split, and resumes where it stopped. Compare the curves against tokens:
 #   python examples/plot_learning_curves.py ROOT/regenerated ROOT/sharegpt --x tokens
-# then tau on MT-Bench / HumanEval with examples/evaluate_drafter.py. The two arms run side by side, one thread
-# each, under `nice -n NICE`.
-# Caveat: the held-out set holds ShareGPT's answers, the ShareGPT arm's own kind of text; tau decides.
+# then tau on MT-Bench / HumanEval with examples/evaluate_drafter.py. The arms run side by side, one thread each,
+# under `nice -n NICE`.
+# Caveat: the held-out set holds ShareGPT's answers, the ShareGPT arms' own kind of text; tau decides.
 set -euo pipefail
 ROOT=${1:-/work/campaign/ab}
 TOKENS=${2:-150000}
+ARMS=${3:-regenerated,sharegpt}
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 PYTHON=${PYTHON:-python}
 NICE=${NICE:-19}
 export PYTHONPATH=$REPO/src OMP_NUM_THREADS=1
 
-nice -n "$NICE" "$PYTHON" "$REPO/examples/campaign_data.py" --output_dir "$ROOT/data-regenerated" --no_sharegpt_answers
-nice -n "$NICE" "$PYTHON" "$REPO/examples/campaign_data.py" --output_dir "$ROOT/data-sharegpt" --gpu_answers ''
-
-for ARM in regenerated sharegpt; do
+for ARM in ${ARMS//,/ }; do
+  case $ARM in
+    regenerated) DATA=regenerated EXTRA=() ;;
+    sharegpt) DATA=sharegpt EXTRA=() ;;
+    head-start) DATA=sharegpt EXTRA=(--init_decoder_from_target) ;;
+    one-layer) DATA=sharegpt EXTRA=(--drafter_num_layers 1) ;;
+    *) echo "unknown arm $ARM (regenerated, sharegpt, head-start, one-layer)" >&2; exit 2 ;;
+  esac
+  if [ ! -f "$ROOT/data-$DATA/train.jsonl" ]; then
+    case $DATA in
+      regenerated) SOURCES=(--no_sharegpt_answers) ;;
+      sharegpt) SOURCES=(--gpu_answers '') ;;
+    esac
+    nice -n "$NICE" "$PYTHON" "$REPO/examples/campaign_data.py" --output_dir "$ROOT/data-$DATA" "${SOURCES[@]}"
+  fi
   STEPS=$("$PYTHON" -c "import json, sys; t = json.load(open(sys.argv[1]))['total']; \
-print(round(int(sys.argv[2]) / (2 * t['tokens'] / t['conversations'])))" "$ROOT/data-$ARM/stats.json" "$TOKENS")
+print(round(int(sys.argv[2]) / (2 * t['tokens'] / t['conversations'])))" "$ROOT/data-$DATA/stats.json" "$TOKENS")
   nice -n "$NICE" "$PYTHON" -m transformers_specblock.train --target_model smollm2-135m-instruct \
-    --dataset "$ROOT/data-$ARM/train.jsonl" --eval_dataset sharegpt-heldout --eval_samples 64 --draft_vocab_size 8192 \
+    --dataset "$ROOT/data-$DATA/train.jsonl" --eval_dataset sharegpt-heldout --eval_samples 64 --draft_vocab_size 8192 \
     --max_length 512 --per_device_train_batch_size 2 --learning_rate 7e-4 --lr_scheduler_type cosine \
     --warmup_steps $((STEPS / 10)) --max_steps "$STEPS" --save_steps 10 --save_total_limit 2 --logging_steps 5 \
     --eval_strategy steps --eval_steps 25 --save_dtype bfloat16 --features online --dtype bfloat16 --bf16 \
     --seed 0 --report_to none --dataloader_num_workers 0 --use_cpu --block_size 4 --num_blocks 2 \
-    --slot_normalization slot0 --fusion_identity_init --resume_from_checkpoint last --output_dir "$ROOT/$ARM" \
-    > "$ROOT/$ARM.log" 2>&1 &
+    --slot_normalization slot0 --fusion_identity_init "${EXTRA[@]}" --resume_from_checkpoint last \
+    --output_dir "$ROOT/$ARM" > "$ROOT/$ARM.log" 2>&1 &
 done
 wait
