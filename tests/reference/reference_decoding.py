@@ -133,13 +133,37 @@ def keep_crop(cache: DynamicCache, max_length: int) -> None:
 _CROP = DynamicCache.crop
 
 
+def record_feeds(model, feeds: list[dict]) -> None:
+    """Make `model` (the harness's inference model) append to `feeds`, for every forward that feeds it committed
+    positions and drafts block 1 from the last (`update_cache_and_draft`, which `prefill_and_draft` calls, and block
+    1's `forward_with_cache`): the tokens fed, the rotary position of the first one's slot 0, the cache entries it
+    attends to besides its own, and the block-1 logits [K, draft vocabulary]."""
+
+    def update_cache_and_draft(hidden_3h, input_ids, cache, start_position):
+        cached = cache[0][2]
+        out = type(model).update_cache_and_draft(model, hidden_3h, input_ids, cache, start_position)
+        feeds.append({"tokens": input_ids[0].tolist(), "position": start_position + 1, "cached": cached,
+                      "logits": out[0][0].clone()})  # fmt: skip
+        return out
+
+    def forward_with_cache(hidden, input_ids, cache, position_id, use_draft_condition=False, **kwargs):
+        cached = cache[0][2]
+        out = type(model).forward_with_cache(model, hidden, input_ids, cache, position_id, use_draft_condition, **kwargs)
+        if not use_draft_condition:  # block 1 (follow-up blocks feed no committed position)
+            feeds.append({"tokens": input_ids[0].tolist(), "position": position_id + 1, "cached": cached,
+                          "logits": out[0][0].clone()})  # fmt: skip
+        return out
+
+    model.update_cache_and_draft, model.forward_with_cache = update_cache_and_draft, forward_with_cache
+
+
 def harness_decode(
     harness, folder: Path, target, prompts: list[torch.Tensor], feature_layers: list[int] = FEATURE_LAYERS,
-    new_tokens: int = NEW_TOKENS, rank_topk: int = 10,
+    new_tokens: int = NEW_TOKENS, rank_topk: int = 10, feeds: list[list[dict]] | None = None,
 ) -> list[list[list[int]]]:  # fmt: skip
     """The harness's greedy loop at its defaults (two block steps, 90 tree tokens, rank features over the top
     `rank_topk`) for each prompt: per iteration the tokens it commits (the tree root, the accepted draft tokens; the
-    bonus token is the next root)."""
+    bonus token is the next root). `feeds`, when given, receives per prompt what `record_feeds` records."""
     os.environ.update(TREE_BUILD_TRITON="0", TREE_FINALIZE_CUDA="0", TREE_ATTN_TRITON="0", DRAFT_COMPILE="0",
                       RANK_TOPK=str(rank_topk))  # fmt: skip
     algorithms = harness_module(harness, "specblock")
@@ -162,6 +186,9 @@ def harness_decode(
     out = []
     try:
         for prompt in prompts:
+            if feeds is not None:
+                feeds.append([])
+                record_feeds(model, feeds[-1])
             algorithm.tokenizer = _PromptTokenizer(prompt[None])
             algorithm._verify_mask_buf = torch.full((1, 1, 256, 4096), float("-inf"))  # harness: bfloat16
             algorithm._block_forward_events = collections.defaultdict(list)
