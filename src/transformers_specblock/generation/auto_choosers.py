@@ -64,6 +64,5 @@ def chooser_key(drafter: TreeDraftModel, target: PreTrainedModel, key: tuple) ->
         hardware_fingerprint(target.device), target_architecture_fingerprint(target), str(target.dtype),
         type(drafter).__name__, weights_fingerprint(drafter), drafter.config.to_dict(), repr(key),
         settings.auto_budget_warmup, settings.auto_budget_warmup_cost, settings.tree_construction,
-        settings.context_feeding,
         settings.online_adaptation,
     ])  # fmt: skip
