@@ -1,11 +1,13 @@
 """Decoding fixtures: a drafter trained by the SpecBlock reference's own training code on a tiny target, and the
 reference harness's greedy loop (`_generate_once_streaming`) with it (see `make_specblock_fixtures.py`).
 
-The harness was written for a CUDA machine and transformers 4.x. Run on the CPU with transformers 5, four things
+The harness was written for a CUDA machine and transformers 4.x. Run on the CPU with transformers 5, five things
 stand in for it here, none inside the tree or verification logic: the final `build_tree_buffers_triton` (Triton
 kernels) is answered by `tree_buffers` (the same tensors from the same nodes), its bfloat16 verification-mask
 buffer is allocated in the target's float32, `DynamicCache.crop(n)` keeps n tokens (transformers 4.x; version 5
-removes -n), and a tokenizer stand-in returns the prompt ids (the tiny target has no tokenizer)."""
+removes -n), the drafter config's `rope_theta` attribute is set from `rope_parameters` (the harness reads
+`config.rope_theta`, which transformers 5 no longer sets: it would fall back to 10000 silently), and a tokenizer
+stand-in returns the prompt ids (the tiny target has no tokenizer)."""
 
 from __future__ import annotations
 
@@ -175,6 +177,7 @@ def harness_decode(
     algorithm = algorithms.SpecBlockAlgorithm(model_path="target", draft_model_path=str(folder), device="cpu",
                                               total_tokens=90, max_blocks=2, beam_width=10)  # fmt: skip
     config = LlamaConfig.from_pretrained(folder)
+    config.rope_theta = config.rope_parameters["rope_theta"]  # what it reads (transformers 4.x; 5.x: rope_parameters)
     model = harness_module(harness, "specblock_inference_model").SpecBlockInferenceModel(config).float().eval()
     result = model.load_state_dict(load_file(folder / "model.safetensors"), strict=False)
     assert result.missing_keys == ["input_layer.embed_tokens.weight"] and not result.unexpected_keys, result
