@@ -40,7 +40,8 @@ def target() -> LlamaForCausalLM:
 def decoded(target) -> list[dict]:
     """Per fixture prompt: the harness's record and ours - what each draft fed the drafter (tokens, rotary position
     of the first, cache entries before them, block-1 logits), the accepted counts, the output."""
-    torch.set_num_threads(1)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny models on shared cores
     decoding = load_file(FIXTURES / "decoding.safetensors")
     drafter = SpecBlockDraftModel.from_pretrained(FIXTURES / "decoding_drafter", target=target).eval()
     drafter.config.rank_feature_top_k = 10  # as the harness computes rank features
@@ -81,6 +82,7 @@ def decoded(target) -> list[dict]:
             })  # fmt: skip
     finally:
         SpecBlockCandidateGenerator.observe, SpecBlockCandidateGenerator._feed = observe, feed
+        torch.set_num_threads(threads)
     return rows
 
 
