@@ -642,7 +642,7 @@ def test_smollm2_decoding_accepts_what_the_harness_accepted(one_thread):
     can represent it (`tests/reference/smollm2_decoding.py`: rank-head biases dropped, top-1 rank feature within the
     top 20, follow-ups at block 1's positions), passed through the reference layout and loaded back. The harness's
     greedy loop (frozen: `fixtures/smollm2_decoding.json`, written by that script: each prompt set's first prompt and
-    HumanEval's third, where this package's own context feeding parts from the harness at the 16th step) and
+    HumanEval's third, where this package's own context feeding parts from the harness at the 14th step) and
     `generate` with `tree_construction="reference"` and `context_feeding="reference"` accept the same number of
     tokens at every step, and ours is the target's greedy."""
     import sys

@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 REPLAYED = (("mt_bench", 0), ("humaneval", 0), ("humaneval", 2))  # each set's first prompt, and the one where
-# feeding the drafter this package's way instead of the harness's changed a step (the 16th)
+# feeding the drafter this package's way instead of the harness's changes a step (the 14th)
 
 
 def fixture_of(result: dict) -> dict:
