@@ -596,10 +596,10 @@ def test_reference_two_block_trees_are_the_harness_trees(drafter, manifest, one_
 
 def test_reference_trees_decode_losslessly_and_the_drafter_inputs_differ_from_the_harness(target, manifest, one_thread):
     """The fixture's greedy decoding with `tree_construction="reference"` (two block steps, 90 tree tokens, set for
-    the call only): the target's own greedy tokens. Not step for step the harness's: its loop feeds the drafter
-    differently (`prefill_and_draft` repeats the prompt's last position as the first draft position, one rotary
-    position further; later steps pair features and tokens its own way), so block 1's logits already differ at the
-    first step (by 0.018 here) although the trees from the same block outputs are the same (tests above)."""
+    the call only) and this package's context feeding: the target's own greedy tokens. Not step for step the
+    harness's: its loop feeds the drafter differently (`context_feeding="reference"` does it its way, and then every
+    step is the same: tests/test_specblock_reference_feeding.py), so block 1's logits already differ at the first
+    step (by 0.018 here) although the trees from the same block outputs are the same (tests above)."""
     decoding = load_file(FIXTURES / "decoding.safetensors")
     drafter = SpecBlockDraftModel.from_pretrained(FIXTURES / "decoding_drafter", target=target).eval()
     drafter.config.rank_feature_top_k = 10
@@ -641,8 +641,10 @@ def test_smollm2_decoding_accepts_what_the_harness_accepted(one_thread):
     """SmolLM2-135M-Instruct, float32 greedy, a drafter derived from the shipped SpecBlock one so that the reference
     can represent it (`tests/reference/smollm2_decoding.py`: rank-head biases dropped, top-1 rank feature within the
     top 20, follow-ups at block 1's positions), passed through the reference layout and loaded back. The harness's
-    greedy loop (frozen: `fixtures/smollm2_decoding.json`, written by that script) and `generate` with
-    `tree_construction="reference"` accept the same number of tokens at every step, and ours is the target's greedy."""
+    greedy loop (frozen: `fixtures/smollm2_decoding.json`, written by that script: each prompt set's first prompt and
+    HumanEval's third, where this package's own context feeding parts from the harness at the 14th step) and
+    `generate` with `tree_construction="reference"` and `context_feeding="reference"` accept the same number of
+    tokens at every step, and ours is the target's greedy."""
     import sys
 
     from transformers_specblock import load_packaged_model, load_prompts
@@ -673,7 +675,7 @@ def test_smollm2_decoding_accepts_what_the_harness_accepted(one_thread):
         with drafter.tree_settings(max_blocks=2):
             out = target.generate(ids, attention_mask=mask, generation_config=endless, assistant_model=drafter,
                                   do_sample=False, tree_budget=90, max_new_tokens=frozen["max_new_tokens"],
-                                  tree_construction="reference")  # fmt: skip
+                                  tree_construction="reference", context_feeding="reference")  # fmt: skip
         assert torch.equal(out, plain)
         ours = drafter.last_stats.accepted_per_iteration
         assert ours[:-1] == row["accepted_harness"][: len(ours) - 1], row  # the last step: cut at max_new_tokens

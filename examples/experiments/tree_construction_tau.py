@@ -1,7 +1,8 @@
 """Tau of SpecBlock's two tree constructions: this package's (`tree_construction="package"`) against the reference
 harness's (`"reference"`), on SmolLM2-135M-Instruct, greedy, fixed tree budgets, free candidates and adaptation off,
-two block steps. Every prompt runs every (drafter, construction, budget) arm in turn (interleaved), each output is
-checked against plain greedy, and the JSON is rewritten after every prompt (a rerun resumes after the last one).
+two block steps. Every prompt runs every (drafter, construction, budget, context feeding) arm in turn (interleaved),
+each output is checked against plain greedy, and the JSON is rewritten after every prompt (a rerun resumes after the
+last one).
 
     python examples/experiments/tree_construction_tau.py \
         --drafter shipped=specblock-smollm2-135m-instruct --drafter reference_compatible=/tmp/sb-smollm2-ref \
@@ -54,6 +55,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--num_prompts", type=int, default=8)
     parser.add_argument("--max_new_tokens", type=int, default=64)
     parser.add_argument("--tree_budgets", type=int, nargs="+", default=[90, 24])
+    parser.add_argument("--constructions", nargs="+", default=["package", "reference"])
+    parser.add_argument("--context_feedings", nargs="+", default=["package"],
+                        help='"reference" arms (named .../feeding=reference) feed the drafter as the harness does')
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     target, tokenizer = load_model("smollm2-135m-instruct", device="cpu", dtype="float32")
@@ -77,16 +81,19 @@ def main(argv: list[str] | None = None) -> None:
         arms = {}
         for budget in args.tree_budgets:
             for drafter_name, drafter in drafters.items():
-                for construction in ("package", "reference"):
-                    with drafter.tree_settings(max_blocks=2):
-                        out = target.generate(ids, attention_mask=mask, assistant_model=drafter, do_sample=False,
-                                              max_new_tokens=args.max_new_tokens, tree_budget=budget,
-                                              tree_construction=construction, **OFF)  # fmt: skip
-                    stats = drafter.last_stats
-                    arms[f"{drafter_name}/{construction}/{budget}"] = {
-                        "equals_greedy": bool(torch.equal(out, plain)), "tokens": out.shape[1] - ids.shape[1],
-                        "steps": len(stats.accepted_per_iteration), "tau": round(stats.tau, 4),
-                    }  # fmt: skip
+                for construction in args.constructions:
+                    for feeding in args.context_feedings:
+                        with drafter.tree_settings(max_blocks=2):
+                            out = target.generate(ids, attention_mask=mask, assistant_model=drafter, do_sample=False,
+                                                  max_new_tokens=args.max_new_tokens, tree_budget=budget,
+                                                  tree_construction=construction, context_feeding=feeding,
+                                                  **OFF)  # fmt: skip
+                        stats = drafter.last_stats
+                        suffix = "" if feeding == "package" else f"/feeding={feeding}"
+                        arms[f"{drafter_name}/{construction}/{budget}{suffix}"] = {
+                            "equals_greedy": bool(torch.equal(out, plain)), "tokens": out.shape[1] - ids.shape[1],
+                            "steps": len(stats.accepted_per_iteration), "tau": round(stats.tau, 4),
+                        }  # fmt: skip
         done.append({"prompt_set": name, "index": index, "prompt_tokens": ids.shape[1], "arms": arms})
         result = {"target": "smollm2-135m-instruct", "dtype": "float32", "max_new_tokens": args.max_new_tokens,
                   "max_blocks": 2, "free_candidates": "off", "drafters": dict(d.split("=", 1) for d in args.drafter),

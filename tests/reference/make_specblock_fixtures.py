@@ -20,7 +20,9 @@ vocabulary 128, 4 rank classes):
 * `trees.safetensors`: pruning, block-1 trees and a round of follow-up blocks of the inference harness
   (`reference_trees.py`).
 * `decoding_drafter/`, `decoding.safetensors`: a drafter trained by the reference's training code on a tiny target
-  and what the harness's greedy loop commits with it, iteration by iteration (`reference_decoding.py`).
+  and what the harness's greedy loop commits with it, iteration by iteration, and what it feeds its drafter at each
+  iteration: the tokens, the rotary position of the first, the cache entries attended besides them, the block-1
+  logits (`reference_decoding.py`).
 * `manifest.json`: the reference commit, the settings, the scalar results.
 """
 
@@ -144,11 +146,17 @@ def decode(modules, harness, embedding: torch.Tensor, out: Path) -> tuple[dict[s
     model.eval().save_pretrained(str(folder))
     torch.save({"d2t": model.d2t.clone(), "t2d": model.t2d.clone()}, folder / "vocab_mapping.pt")
     prompts = torch.randint(0, VOCAB, (PROMPTS, PROMPT_LENGTH), generator=torch.Generator().manual_seed(8))
-    steps = harness_decode(harness, folder, target, prompts)
+    feeds = []
+    steps = harness_decode(harness, folder, target, prompts, feeds=feeds)
     tensors = {"prompts": prompts}
-    for row, iterations in enumerate(steps):
+    for row, (iterations, fed) in enumerate(zip(steps, feeds)):
         tensors[f"prompt{row}.tokens"] = torch.tensor([t for it in iterations for t in it])
         tensors[f"prompt{row}.per_iteration"] = torch.tensor([len(it) for it in iterations])
+        tensors[f"prompt{row}.fed_tokens"] = torch.tensor([t for feed in fed for t in feed["tokens"]])
+        for key in ("position", "cached"):
+            tensors[f"prompt{row}.fed_{key}"] = torch.tensor([feed[key] for feed in fed])
+        tensors[f"prompt{row}.fed_count"] = torch.tensor([len(feed["tokens"]) for feed in fed])
+        tensors[f"prompt{row}.block1_logits"] = torch.stack([feed["logits"] for feed in fed])
     atomic_save(tensors, out / "decoding.safetensors")
     taus = [sum(len(it) for it in its) / len(its) for its in steps]
     info = {"training_steps": len(losses), "first_loss": losses[0], "last_loss": losses[-1],

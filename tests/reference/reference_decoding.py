@@ -1,11 +1,13 @@
 """Decoding fixtures: a drafter trained by the SpecBlock reference's own training code on a tiny target, and the
 reference harness's greedy loop (`_generate_once_streaming`) with it (see `make_specblock_fixtures.py`).
 
-The harness was written for a CUDA machine and transformers 4.x. Run on the CPU with transformers 5, four things
+The harness was written for a CUDA machine and transformers 4.x. Run on the CPU with transformers 5, five things
 stand in for it here, none inside the tree or verification logic: the final `build_tree_buffers_triton` (Triton
 kernels) is answered by `tree_buffers` (the same tensors from the same nodes), its bfloat16 verification-mask
 buffer is allocated in the target's float32, `DynamicCache.crop(n)` keeps n tokens (transformers 4.x; version 5
-removes -n), and a tokenizer stand-in returns the prompt ids (the tiny target has no tokenizer)."""
+removes -n), the drafter config's `rope_theta` attribute is set from `rope_parameters` (the harness reads
+`config.rope_theta`, which transformers 5 no longer sets: it would fall back to 10000 silently), and a tokenizer
+stand-in returns the prompt ids (the tiny target has no tokenizer)."""
 
 from __future__ import annotations
 
@@ -133,13 +135,37 @@ def keep_crop(cache: DynamicCache, max_length: int) -> None:
 _CROP = DynamicCache.crop
 
 
+def record_feeds(model, feeds: list[dict]) -> None:
+    """Make `model` (the harness's inference model) append to `feeds`, for every forward that feeds it committed
+    positions and drafts block 1 from the last (`update_cache_and_draft`, which `prefill_and_draft` calls, and block
+    1's `forward_with_cache`): the tokens fed, the rotary position of the first one's slot 0, the cache entries it
+    attends to besides its own, and the block-1 logits [K, draft vocabulary]."""
+
+    def update_cache_and_draft(hidden_3h, input_ids, cache, start_position):
+        cached = cache[0][2]
+        out = type(model).update_cache_and_draft(model, hidden_3h, input_ids, cache, start_position)
+        feeds.append({"tokens": input_ids[0].tolist(), "position": start_position + 1, "cached": cached,
+                      "logits": out[0][0].clone()})  # fmt: skip
+        return out
+
+    def forward_with_cache(hidden, input_ids, cache, position_id, use_draft_condition=False, **kwargs):
+        cached = cache[0][2]
+        out = type(model).forward_with_cache(model, hidden, input_ids, cache, position_id, use_draft_condition, **kwargs)
+        if not use_draft_condition:  # block 1 (follow-up blocks feed no committed position)
+            feeds.append({"tokens": input_ids[0].tolist(), "position": position_id + 1, "cached": cached,
+                          "logits": out[0][0].clone()})  # fmt: skip
+        return out
+
+    model.update_cache_and_draft, model.forward_with_cache = update_cache_and_draft, forward_with_cache
+
+
 def harness_decode(
     harness, folder: Path, target, prompts: list[torch.Tensor], feature_layers: list[int] = FEATURE_LAYERS,
-    new_tokens: int = NEW_TOKENS, rank_topk: int = 10,
+    new_tokens: int = NEW_TOKENS, rank_topk: int = 10, feeds: list[list[dict]] | None = None,
 ) -> list[list[list[int]]]:  # fmt: skip
     """The harness's greedy loop at its defaults (two block steps, 90 tree tokens, rank features over the top
     `rank_topk`) for each prompt: per iteration the tokens it commits (the tree root, the accepted draft tokens; the
-    bonus token is the next root)."""
+    bonus token is the next root). `feeds`, when given, receives per prompt what `record_feeds` records."""
     os.environ.update(TREE_BUILD_TRITON="0", TREE_FINALIZE_CUDA="0", TREE_ATTN_TRITON="0", DRAFT_COMPILE="0",
                       RANK_TOPK=str(rank_topk))  # fmt: skip
     algorithms = harness_module(harness, "specblock")
@@ -151,6 +177,7 @@ def harness_decode(
     algorithm = algorithms.SpecBlockAlgorithm(model_path="target", draft_model_path=str(folder), device="cpu",
                                               total_tokens=90, max_blocks=2, beam_width=10)  # fmt: skip
     config = LlamaConfig.from_pretrained(folder)
+    config.rope_theta = config.rope_parameters["rope_theta"]  # what it reads (transformers 4.x; 5.x: rope_parameters)
     model = harness_module(harness, "specblock_inference_model").SpecBlockInferenceModel(config).float().eval()
     result = model.load_state_dict(load_file(folder / "model.safetensors"), strict=False)
     assert result.missing_keys == ["input_layer.embed_tokens.weight"] and not result.unexpected_keys, result
@@ -162,6 +189,9 @@ def harness_decode(
     out = []
     try:
         for prompt in prompts:
+            if feeds is not None:
+                feeds.append([])
+                record_feeds(model, feeds[-1])
             algorithm.tokenizer = _PromptTokenizer(prompt[None])
             algorithm._verify_mask_buf = torch.full((1, 1, 256, 4096), float("-inf"))  # harness: bfloat16
             algorithm._block_forward_events = collections.defaultdict(list)

@@ -43,7 +43,8 @@ class SpecBlockCandidateGenerator(TreeCandidateGenerator):
     entries are cropped away afterwards. A round whose nodes could not survive pruning (each scores at most its start
     leaf's score, and `tree_budget` nodes already score higher) is skipped. `draft_tree` prunes the tree to
     `tree_budget` nodes by cumulative draft log-prob. With `tree_construction="reference"` the tree is grown as the
-    SpecBlock reference harness grows it instead (`specblock_reference_tree.grow_reference_tree`).
+    SpecBlock reference harness grows it instead (`specblock_reference_tree.grow_reference_tree`); with
+    `context_feeding="reference"` the committed positions are fed as that harness feeds them (`_as_harness_feeds`).
     """
 
     def __init__(
@@ -71,6 +72,8 @@ class SpecBlockCandidateGenerator(TreeCandidateGenerator):
         self.committed_entries = 0
         self.root_block: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self.root_position = 0
+        self.context_feeding = drafter.generation_config.context_feeding
+        self.harness_positions: int | None = None  # context_feeding="reference": the harness's position counter
 
     # ---------------------------------------------------------------------------------------------------------
     def observe(self, target_features: torch.Tensor, next_tokens: torch.LongTensor, first_position: int) -> None:
@@ -79,9 +82,11 @@ class SpecBlockCandidateGenerator(TreeCandidateGenerator):
         target_features: [P, 3 * H_target]; next_tokens: [P]; first_position: rotary position of next_tokens[0].
         A long prompt is fed `prefill_chunk_size` positions per forward (same result, bounded mask and activations).
         """
+        start = time.perf_counter()
+        if self.context_feeding == "reference":
+            target_features, next_tokens, first_position = self._as_harness_feeds(target_features, next_tokens)
         num_pos = next_tokens.shape[0]
         chunk = self.drafter.config.prefill_chunk_size
-        start = time.perf_counter()
         for offset in range(0, num_pos, chunk):
             out = self._feed(
                 target_features[offset : offset + chunk], next_tokens[offset : offset + chunk], first_position + offset
@@ -89,6 +94,26 @@ class SpecBlockCandidateGenerator(TreeCandidateGenerator):
         self.root_block = (out.logits[:, -1], out.hidden_states[:, -1], out.rank_logits[:, -1])  # [1, K, ...]
         self.root_position = first_position + num_pos - 1
         self._account(start, forwards=-(-num_pos // chunk))
+
+    def _as_harness_feeds(
+        self, target_features: torch.Tensor, next_tokens: torch.LongTensor
+    ) -> tuple[torch.Tensor, torch.LongTensor, int]:
+        """One step's positions (f_r .. f_{r+a}, x_{r+1} .. x_{r+a+1}; the prompt first) as the SpecBlock reference
+        harness feeds them (`_generate_once_streaming`, `prefill_and_draft`, `update_cache_and_draft`): (features,
+        tokens, rotary position of the first). Its counter D of drafter positions starts at the prompt's length + 1:
+        the prompt's last position is fed twice, the copy at D. A step that accepted nothing drops the last position
+        fed and feeds its one position at D + 1 (D kept); one that accepted a tokens pairs f_r .. f_{r+a} with
+        x_{r+2} .. x_{r+a+1}, x_{r+a+1} at D + 2 onwards (D grows by a + 2)."""
+        if self.harness_positions is None:
+            self.harness_positions = next_tokens.shape[0] + 1
+            return torch.cat([target_features, target_features[-1:]]), torch.cat([next_tokens, next_tokens[-1:]]), 1
+        if next_tokens.shape[0] == 1:
+            truncate_cache(self.cache, self.committed_entries - self.block_size)
+            self.committed_entries = self.cache.get_seq_length()
+            return target_features, next_tokens, self.harness_positions + 1
+        first_position = self.harness_positions + 2
+        self.harness_positions += next_tokens.shape[0] + 1
+        return target_features, torch.cat([next_tokens[1:], next_tokens[-1:]]), first_position
 
     def _feed(self, target_features: torch.Tensor, next_tokens: torch.LongTensor, first_position: int):
         """One drafter forward appending K slot entries per position to the drafter cache; the head runs on the last

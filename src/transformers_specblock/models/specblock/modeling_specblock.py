@@ -140,6 +140,8 @@ class SpecBlockDraftModel(SpecBlockPreTrainedModel):
         super().check_drafting_settings(settings)
         if settings.tree_construction == "reference" and settings.online_adaptation != "off":
             raise ValueError('tree_construction="reference" drafts without online adaptation: set online_adaptation="off".')
+        if settings.context_feeding == "reference" and settings.online_adaptation != "off":
+            raise ValueError('context_feeding="reference" drafts without online adaptation: set online_adaptation="off".')
 
     def __init__(self, config: SpecBlockConfig) -> None:
         super().__init__(config)

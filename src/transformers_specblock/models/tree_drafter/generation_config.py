@@ -23,10 +23,13 @@ DEFAULT_WARMUP_COST = 2.0  # the warm-up's trees cost the target at most two pla
 ADAPTATION_POLICIES = ("off", "always", "head_only", "full", "bandit")
 # how a drafter grows its trees: this package's way, or as the drafter's reference implementation does (SpecBlock)
 TREE_CONSTRUCTIONS = ("package", "reference")
+# how a drafter reads the committed context: this package's way, or as the drafter's reference harness does (SpecBlock)
+CONTEXT_FEEDINGS = ("package", "reference")
 # name -> default of every drafting setting (`TreeGenerationConfig`)
 DRAFTING_DEFAULTS: dict[str, Any] = {
     "tree_budget": AUTO,
     "tree_construction": "package",
+    "context_feeding": "package",
     "auto_budget_candidates": list(DEFAULT_CANDIDATES),
     "auto_budget_warmup": 8,
     "auto_budget_warmup_cost": DEFAULT_WARMUP_COST,
@@ -83,6 +86,14 @@ class TreeGenerationConfig(GenerationConfig):
             reference implementation does where the drafter has one (SpecBlock: the authors' inference harness at its
             defaults, `generation/candidate_generators/specblock_reference_tree.py`; `tree_budget`, `max_blocks` and
             `branch_widths` apply, `max_followups` and `tree_policy` do not); a drafter without one refuses it.
+        context_feeding: How the drafter reads the committed positions: "package" (default: each position i once, its
+            target features with token x_{i+1} at its own rotary position) or "reference", as the drafter's reference
+            inference harness feeds them where the drafter has one (SpecBlock: the prompt's last position twice, the
+            copy one rotary position further; after a step that accepted nothing the last position read is replaced
+            by the new one; after a step that accepted tokens the features of the root and the accepted tokens paired
+            with the tokens one further, the bonus token twice; rotary positions counted as the harness counts them).
+            It reproduces that harness's decoding step for step (docs/design.md: its measured effect on tau) and
+            needs a fixed `tree_budget`; a drafter without a reference harness refuses it.
         auto_budget_warmup_cost: With tree_budget="auto", the warm-up drafts with the largest candidate whose tree
             the target verifies for at most this many plain steps, by the measured cost curve (on a GPU the largest
             candidate; on a CPU, where a large tree costs several steps, a smaller one, so a first call does not pay
@@ -160,6 +171,11 @@ class TreeGenerationConfig(GenerationConfig):
         check_tree_budget(self.tree_budget)
         if self.tree_construction not in TREE_CONSTRUCTIONS:
             raise ValueError(f"tree_construction must be one of {TREE_CONSTRUCTIONS}, got {self.tree_construction!r}.")
+        if self.context_feeding not in CONTEXT_FEEDINGS:
+            raise ValueError(f"context_feeding must be one of {CONTEXT_FEEDINGS}, got {self.context_feeding!r}.")
+        if self.context_feeding == "reference" and self.tree_budget == AUTO:
+            raise ValueError('context_feeding="reference" reads every step as the reference harness does: set a fixed '
+                             "tree_budget (not \"auto\", which may skip steps).")
         if not self.auto_budget_candidates or any(
             not isinstance(b, int) or isinstance(b, bool) or b < 0 for b in self.auto_budget_candidates
         ):

@@ -99,6 +99,8 @@ class TreeDraftModel(PreTrainedModel):
                 f"{type(self).__name__} grows trees with tree_construction in {self.tree_constructions}, "
                 f"got {settings.tree_construction!r}."
             )
+        if settings.context_feeding != "package" and "reference" not in self.tree_constructions:
+            raise ValueError(f'{type(self).__name__} has no reference harness: context_feeding must be "package".')
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
