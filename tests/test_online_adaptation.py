@@ -25,6 +25,7 @@ from transformers_specblock.generation.adaptation import (
     SKIP,
     CostAwareBandit,
     SignalBuffer,
+    SignalSample,
     collect_signal,
     online_adapter_for,
 )
@@ -368,7 +369,12 @@ def test_the_held_out_gain_gates_the_whole_drafter_update():
     assert adapter.choose_action() == HEAD_ONLY
     adapter.report.held_out_gain = ESCALATION_GAIN
     assert adapter.choose_action() == FULL
-    _serve(target, drafter, calls=1)  # measured on every call after an update
+    _serve(target, drafter, calls=1)  # the loaded head is served (the candidate was not): nothing to compare
+    if not drafter.last_stats.adaptation.promoted:
+        assert math.isnan(drafter.last_stats.adaptation.held_out_gain)
+        with torch.no_grad():  # an adapted head served
+            drafter.lm_head.weight.mul_(1.5)
+    _serve(target, drafter, calls=1)  # measured on every call while adapted weights are served
     assert -1.0 <= drafter.last_stats.adaptation.held_out_gain <= 1.0
 
 
@@ -440,6 +446,86 @@ def test_the_loaded_output_side_comes_back_where_it_does_better():
     _serve(target, drafter, calls=1)  # held out: this call's signal, then an update into a new candidate head
     assert drafter.last_stats.adaptation.restored_loaded
     assert torch.equal(drafter.lm_head.weight, loaded["lm_head.weight"]) and adapter.candidate is not None
+
+
+def _held_out_call(drafter, rows: list[tuple[torch.Tensor, list[int], list[float]]]):
+    """The adapter after one served call, its fresh signal replaced by `rows` of (state [H], the target's top ids in
+    the draft vocabulary, their probabilities), all at depth 1."""
+    adapter = online_adapter_for(drafter)
+    adapter.fresh = [
+        SignalSample(state=state, target_ids=torch.tensor(ids), target_probs=torch.tensor(probs), wrong=True,
+                     body_version=adapter.body_version)
+        for state, ids, probs in rows
+    ]  # fmt: skip
+    adapter.report = adapter_module.AdaptationReport()
+    return adapter
+
+
+@torch.no_grad()
+def _top(drafter, weight: torch.Tensor, states: torch.Tensor) -> list[int]:
+    return torch.nn.functional.linear(drafter.norm(states), weight).argmax(-1).tolist()
+
+
+def test_a_candidate_that_only_lifts_the_targets_second_choice_is_not_served():
+    """Greedy decoding accepts the target's own top token only: a candidate head whose first proposal is the
+    target's second choice where the served head's is its third gains first-proposal acceptance and nothing
+    greedy decoding would accept; it is not served. One proposing the target's top token is."""
+    target = make_target("llama", vocab_size=VOCAB, seed=1)
+    drafter = _drafter("specblock", target, online_adaptation="bandit")
+    _serve(target, drafter, calls=1)
+    served = drafter.lm_head.weight.detach().clone()
+    state = torch.randn(drafter.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    (third,) = _top(drafter, served, state[None])
+    second, first = [t for t in range(served.shape[0]) if t != third][:2]
+    normed = drafter.norm(state[None])[0].detach()
+    candidate = served.clone()
+    candidate[second] = served[third] + normed  # the candidate's top token: the target's second choice
+    adapter = _held_out_call(drafter, [(state, [first, second, third], [0.6, 0.3, 0.1])] * 4)
+    adapter.candidate = {"lm_head.weight": candidate}
+    adapter._try_candidate()
+    assert adapter.report.candidate_gain == pytest.approx(0.2)  # first-proposal acceptance: 0.3 instead of 0.1
+    assert not adapter.report.promoted and torch.equal(drafter.lm_head.weight, served)
+    candidate[first] = candidate[second] + normed  # now its top token is the target's own
+    adapter = _held_out_call(drafter, [(state, [first, second, third], [0.6, 0.3, 0.1])] * 4)
+    adapter.candidate = {"lm_head.weight": candidate}
+    adapter._try_candidate()
+    assert adapter.report.promoted and torch.equal(drafter.lm_head.weight, candidate)
+
+
+def test_the_loaded_head_comes_back_where_the_served_one_agrees_less_with_greedy(monkeypatch):
+    """The held-out check puts the loaded head back where the served one proposes the target's top token less often,
+    even if it gains first-proposal acceptance elsewhere; while the loaded head is served it compares nothing."""
+    target = make_target("llama", vocab_size=VOCAB, seed=1)
+    drafter = _drafter("specblock", target, online_adaptation="head_only")
+    _serve(target, drafter, calls=1)  # an update: the loaded weights are kept
+    loaded = drafter.serving_states.loaded_weights["lm_head.weight"]
+    states = torch.randn(4, drafter.config.hidden_size, generator=torch.Generator().manual_seed(0))
+
+    def fail(*args):
+        raise AssertionError("compared while the loaded head is served")
+
+    monkeypatch.setattr(adapter_module, "first_token_acceptance", fail)
+    adapter = _held_out_call(drafter, [(s, [0, 1, 2], [0.6, 0.3, 0.1]) for s in states])
+    adapter._keep_better_output_side()  # the loaded head is served: no comparison
+    assert math.isnan(adapter.report.held_out_gain)
+    monkeypatch.undo()
+    with torch.no_grad():
+        drafter.lm_head.weight.copy_(torch.randn(loaded.shape, generator=torch.Generator().manual_seed(1)))
+    tops = list(zip(_top(drafter, loaded, states), _top(drafter, drafter.lm_head.weight, states)))
+    rows = []
+    for i, (state, (was, now)) in enumerate(zip(states, tops)):
+        other = next(t for t in range(loaded.shape[0]) if t not in (was, now))
+        if was == now:
+            rows.append((state, [other, was], [0.6, 0.4]))  # no difference
+        elif i == 0:
+            rows.append((state, [was, now, other], [0.6, 0.3, 0.1]))  # the loaded head's top is the target's
+        else:
+            rows.append((state, [other, now, was], [0.6, 0.3, 0.1]))  # the served head's is the second choice
+    assert tops[0][0] != tops[0][1] and sum(was != now for was, now in tops[1:]) >= 2
+    adapter = _held_out_call(drafter, rows)
+    adapter._keep_better_output_side()
+    assert adapter.report.held_out_gain > 0  # more first-proposal acceptance, one greedy token fewer
+    assert adapter.report.restored_loaded and torch.equal(drafter.lm_head.weight, loaded)
 
 
 def test_a_head_only_update_is_served_only_after_it_beats_the_served_head():
