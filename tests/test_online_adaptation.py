@@ -486,10 +486,48 @@ def test_a_candidate_that_only_lifts_the_targets_second_choice_is_not_served():
     assert adapter.report.candidate_gain == pytest.approx(0.2)  # first-proposal acceptance: 0.3 instead of 0.1
     assert not adapter.report.promoted and torch.equal(drafter.lm_head.weight, served)
     candidate[first] = candidate[second] + normed  # now its top token is the target's own
-    adapter = _held_out_call(drafter, [(state, [first, second, third], [0.6, 0.3, 0.1])] * 4)
     adapter.candidate = {"lm_head.weight": candidate}
-    adapter._try_candidate()
+    for call in range(adapter_module.PROMOTION_CALLS):
+        adapter = _held_out_call(drafter, [(state, [first, second, third], [0.6, 0.3, 0.1])] * 4)
+        adapter._try_candidate()
     assert adapter.report.promoted and torch.equal(drafter.lm_head.weight, candidate)
+
+
+def test_a_candidate_is_served_only_after_winning_on_calls_in_a_row():
+    """What a candidate head wins on one prompt may not carry to the next: it is served only after winning on
+    `PROMOTION_CALLS` held-out calls in a row; in between no head-only update replaces it, and a loss drops it and
+    charges its arm."""
+    target = make_target("llama", vocab_size=VOCAB, seed=1)
+    drafter = _drafter("specblock", target, online_adaptation="bandit")
+    _serve(target, drafter, calls=1)  # a head-only update: a candidate
+    adapter = online_adapter_for(drafter)
+    served = drafter.lm_head.weight.detach().clone()
+    state = torch.randn(drafter.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    (top,) = _top(drafter, served, state[None])
+    best = next(t for t in range(served.shape[0]) if t != top)
+    good = served.clone()
+    good[best] = served[top] + drafter.norm(state[None])[0].detach()  # proposes the target's top token
+    won, lost = [(state, [best, top], [0.7, 0.3])] * 4, [(state, [top, best], [0.7, 0.3])] * 4
+    for rows in (won, lost):  # a win, then a loss: dropped, charged like a thrown-away update
+        adapter = _held_out_call(drafter, rows)
+        adapter.candidate = {"lm_head.weight": good} if rows is won else adapter.candidate
+        adapter._try_candidate()
+        assert not adapter.report.promoted and torch.equal(drafter.lm_head.weight, served)
+        assert (adapter.candidate is not None) == (rows is won)
+    bandit = adapter.bandits["bandit"]
+    adapter._charge_thrown_away_updates()
+    assert bandit.sums[HEAD_ONLY] == pytest.approx(1 - adapter.last_update_share)
+    adapter.candidate = {"lm_head.weight": good}  # wins in a row: served
+    adapter.choose_action = lambda: HEAD_ONLY  # the bandit wants a head-only update after every call
+    for call in range(adapter_module.PROMOTION_CALLS):
+        adapter = _held_out_call(drafter, won)
+        adapter.pending = None
+        report = adapter.finish_call(10, 1.0, 2.0)
+        last = call == adapter_module.PROMOTION_CALLS - 1
+        assert report.promoted == last
+        if not last:  # on probation: a head-only update would replace it, so none is run
+            assert report.action == SKIP and adapter.candidate["lm_head.weight"] is good
+    assert report.action == HEAD_ONLY and torch.equal(drafter.lm_head.weight, good)
 
 
 def test_the_loaded_head_comes_back_where_the_served_one_agrees_less_with_greedy(monkeypatch):
@@ -549,8 +587,10 @@ def test_a_head_only_update_is_served_only_after_it_beats_the_served_head():
         drafter.lm_head.weight.neg_()
         drafter.serving_states.loaded_weights["lm_head.weight"].neg_()
     adapter.candidate = {"lm_head.weight": loaded["lm_head.weight"].clone()}
-    _serve(target, drafter, calls=1)
-    assert drafter.last_stats.adaptation.candidate_gain > 0 and drafter.last_stats.adaptation.promoted
+    for call in range(adapter_module.PROMOTION_CALLS):  # served once it has won on calls in a row
+        _serve(target, drafter, calls=1)
+        assert drafter.last_stats.adaptation.candidate_gain > 0
+        assert drafter.last_stats.adaptation.promoted == (call == adapter_module.PROMOTION_CALLS - 1)
     assert torch.equal(drafter.lm_head.weight, loaded["lm_head.weight"])
 
 

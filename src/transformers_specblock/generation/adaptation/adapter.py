@@ -55,6 +55,7 @@ ROLLBACK_TOLERANCE = 0.15  # roll an update back when the next call's tau is thi
 REFERENCE_CALLS = 4  # calls whose mean tau is the reference of the rollback check
 MIN_REFERENCE_CALLS = 2  # no rollback against one call's tau (prompts differ by +-20%: it undid sound updates)
 PROMOTION_GAIN = 0.02  # what a candidate head must gain over the served one to be served, on both measures
+PROMOTION_CALLS = 2  # held-out calls in a row on which a candidate head must gain that before it is served
 ESCALATION_GAIN = 0.05  # held-out first-proposal gain over the loaded weights that lets the bandit try "full"
 POLICY_ARMS = {"full": (FULL, SKIP), "bandit": (HEAD_ONLY, FULL, SKIP)}  # cost-aware policies
 FIXED_ACTION = {"always": FULL, "head_only": HEAD_ONLY}
@@ -100,6 +101,7 @@ class OnlineAdapter:
         self.full_updates = 0  # whole-drafter updates run (none: the body is the loaded one)
         self.pending: _Pending | None = None
         self.candidate: dict[str, torch.Tensor] | None = None  # the head-only update's head, served once it wins
+        self.candidate_wins = 0  # held-out calls in a row it has won so far
         self.last_update: str | None = None  # the update action that made the current weights
         self.last_update_share = 0.0  # its time's share of the call after it (what a rejection charges)
         self.loaded_head: tuple[int, ...] | None = None  # versions of the head weights while they are the loaded ones
@@ -164,6 +166,8 @@ class OnlineAdapter:
         self._charge_thrown_away_updates()
         self.recent_tau.append(tau)
         action = self.choose_action()
+        if action == HEAD_ONLY and self.candidate is not None:  # one has won and is tested again on the next call:
+            action = SKIP  # a new candidate would replace it
         snapshot, seconds = None, check_seconds
         if action != SKIP:
             if self.drafter.serving_states.loaded_weights is None:  # (the first update: the head is the loaded one)
@@ -227,7 +231,7 @@ class OnlineAdapter:
         thrown_away = set()
         if self.report.restored_loaded and not self.report.rolled_back and self.last_update in bandit.arms:
             thrown_away.add(self.last_update)
-        if not math.isnan(self.report.candidate_gain) and not self.report.promoted:
+        if not math.isnan(self.report.candidate_gain) and not self.report.promoted and self.candidate is None:
             thrown_away.add(HEAD_ONLY)
         for arm in thrown_away & set(bandit.arms):
             bandit.reject(arm, self.last_update_share)
@@ -288,25 +292,32 @@ class OnlineAdapter:
 
     @torch.no_grad()
     def _try_candidate(self) -> None:
-        """Serve the last head-only update's candidate head where it beats the served head by `PROMOTION_GAIN` on
-        this call's states (which it has not trained on), every depth, both in first-proposal acceptance and in
-        greedy agreement: the deeper states favour the served head (they exist where it was right), which makes the
-        test conservative; drop the candidate either way (the next head-only update trains a new one from the loaded
-        head on the buffer, this call's states included). Measured (SpecBlock, 128-token calls, shift stream):
+        """Serve the last head-only update's candidate head once it has beaten the served head by `PROMOTION_GAIN`
+        on `PROMOTION_CALLS` calls in a row, on each call's states (which it has not trained on), every depth, both
+        in first-proposal acceptance and in greedy agreement: the deeper states favour the served head (they exist
+        where it was right), which makes the test conservative. A candidate that loses is dropped (the next head-only
+        update trains a new one from the loaded head on the buffer, this call's states included); one that won but
+        not yet often enough is kept for the next call's test. Measured (SpecBlock, 128-token calls, shift stream):
         served on any gain, candidates that won on one call lost tau on the next (up to 15%); with the margin, tau is
-        that of "off" or above. Greedy agreement too, because acceptance alone credits a candidate that only moves
-        a second choice of the target up, which greedy decoding never accepts (HumanEval stream, 48-token calls,
-        fixed budget 16: candidates served on acceptance alone cost 1.5% of tau, docs/design.md)."""
+        that of "off" or above. Greedy agreement too, because acceptance alone credits a candidate that only moves a
+        second choice of the target up, which greedy decoding never accepts; two calls, because on a stream of
+        HumanEval problems (48-token calls, fixed budget 16) what a candidate wins on one problem does not carry to
+        the next: served after one won call, candidates cost 1.5% of tau (docs/design.md)."""
         candidate, self.candidate = self.candidate, None
         fresh = [s for s in self.fresh if s.body_version == self.body_version]
         if candidate is None or not fresh:
+            self.candidate_wins = 0
             return
         normed = self.drafter.norm(torch.stack([s.state for s in fresh]).to(self.drafter.device, self.drafter.dtype))
         gains = _gains(F.linear(normed, candidate["lm_head.weight"]), self.drafter.lm_head(normed), fresh)
         self.report.candidate_gain = gains[0]
-        if min(gains) >= PROMOTION_GAIN:
+        self.candidate_wins = self.candidate_wins + 1 if min(gains) >= PROMOTION_GAIN else 0
+        if 0 < self.candidate_wins < PROMOTION_CALLS:
+            self.candidate = candidate  # tested again on the next call
+        elif self.candidate_wins:
             for name, param in self._named(HEAD_ONLY):
                 param.copy_(candidate[name])
+            self.candidate_wins = 0
             self.report.promoted = True
 
     @torch.no_grad()
