@@ -98,8 +98,8 @@ def test_greedy_identical_with_every_policy(kind, policy):
         assert changed or online_adapter_for(drafter).candidate is not None
     if policy == "always":
         assert set(actions) == {FULL}
-    if policy == "head_only":
-        assert set(actions) == {HEAD_ONLY}
+    if policy == "head_only":  # (none while a candidate that won once awaits its second test)
+        assert actions[0] == HEAD_ONLY and set(actions) <= {HEAD_ONLY, SKIP}
     if policy == "full":
         assert HEAD_ONLY not in actions
 
