@@ -6,8 +6,8 @@ last token `finish_call` (1) scores the action taken after the previous call (th
 the snapshot taken before a whole-drafter update if this call's tau fell more than `ROLLBACK_TOLERANCE` below the
 mean tau of the (2 to 4) calls before it), (2) runs the held-out check on this call's signal, which no update has
 trained on yet: the loaded output side comes back where it does better than the served one, and the candidate head
-of the last head-only update is served only where it does better than the served head, (3) picks this call's action
-from the policy, (4) runs it, timed. The update runs inside the `generate` call, so its time is part of the call's
+of the last head-only update is served only once it has done better than the served head on two calls in a row,
+(3) picks this call's action from the policy, (4) runs it, timed. The update runs inside the `generate` call, so its time is part of the call's
 wall time.
 
 Head-only updates train a candidate head (from the loaded one, on the whole buffer), not the served one: one call's
