@@ -528,6 +528,9 @@ def test_a_candidate_is_served_only_after_winning_on_calls_in_a_row():
         if not last:  # on probation: a head-only update would replace it, so none is run
             assert report.action == SKIP and adapter.candidate["lm_head.weight"] is good
     assert report.action == HEAD_ONLY and torch.equal(drafter.lm_head.weight, good)
+    adapter.candidate_wins = 1  # a newly trained candidate starts its probation afresh
+    adapter._train_candidate()
+    assert adapter.candidate_wins == 0 and adapter.candidate is not None
 
 
 def test_the_loaded_head_comes_back_where_the_served_one_agrees_less_with_greedy(monkeypatch):

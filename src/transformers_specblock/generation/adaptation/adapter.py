@@ -7,8 +7,8 @@ the snapshot taken before a whole-drafter update if this call's tau fell more th
 mean tau of the (2 to 4) calls before it), (2) runs the held-out check on this call's signal, which no update has
 trained on yet: the loaded output side comes back where it does better than the served one, and the candidate head
 of the last head-only update is served only once it has done better than the served head on two calls in a row,
-(3) picks this call's action from the policy, (4) runs it, timed. The update runs inside the `generate` call, so its time is part of the call's
-wall time.
+(3) picks this call's action from the policy, (4) runs it, timed. The update runs inside the `generate` call, so
+its time is part of the call's wall time.
 
 Head-only updates train a candidate head (from the loaded one, on the whole buffer), not the served one: one call's
 update often did not carry over to the next prompt (128-token calls: served at once, head-only updates lowered tau
@@ -187,7 +187,7 @@ class OnlineAdapter:
             if action == FULL:
                 self.body_version += 1  # stored states of earlier samples no longer match the body
                 self.full_updates += 1
-                self.candidate = None  # trained on states of the old body
+                self.candidate, self.candidate_wins = None, 0  # trained on states of the old body
         reference = sum(self.recent_tau) / len(self.recent_tau)
         self.pending = _Pending(action, seconds, reference, len(self.recent_tau), snapshot)
         self.report.action, self.report.update_time_s = action, seconds
@@ -220,7 +220,7 @@ class OnlineAdapter:
         if trained is None:
             return None
         weight, loss = trained
-        self.candidate = {"lm_head.weight": weight}
+        self.candidate, self.candidate_wins = {"lm_head.weight": weight}, 0
         return loss
 
     def _charge_thrown_away_updates(self) -> None:
