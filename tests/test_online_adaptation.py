@@ -31,7 +31,7 @@ from transformers_specblock.generation.adaptation import (
 )
 from transformers_specblock.generation.adaptation import adapter as adapter_module
 from transformers_specblock.generation.adaptation import update
-from transformers_specblock.generation.adaptation.adapter import ESCALATION_GAIN
+from transformers_specblock.generation.adaptation.adapter import ESCALATION_CALLS, ESCALATION_GAIN
 from transformers_specblock.generation.adaptation.signal import target_to_draft_ids
 from transformers_specblock.generation.adaptation.update import (
     adaptation_loss,
@@ -365,9 +365,9 @@ def test_the_held_out_gain_gates_the_whole_drafter_update():
     bandit = adapter.bandits["bandit"]
     for arm in (HEAD_ONLY, SKIP, HEAD_ONLY):  # head-only has paid twice: the bandit wants to try "full"
         bandit.record(arm, 64, 2.0 if arm == HEAD_ONLY else 3.0, 0.0)
-    adapter.report.held_out_gain = 0.0
+    adapter.adapted_wins = ESCALATION_CALLS - 1  # the adapted weights won once: not enough
     assert adapter.choose_action() == HEAD_ONLY
-    adapter.report.held_out_gain = ESCALATION_GAIN
+    adapter.adapted_wins = ESCALATION_CALLS
     assert adapter.choose_action() == FULL
     _serve(target, drafter, calls=1)  # the loaded head is served (the candidate was not): nothing to compare
     if not drafter.last_stats.adaptation.promoted:
@@ -376,6 +376,35 @@ def test_the_held_out_gain_gates_the_whole_drafter_update():
             drafter.lm_head.weight.mul_(1.5)
     _serve(target, drafter, calls=1)  # measured on every call while adapted weights are served
     assert -1.0 <= drafter.last_stats.adaptation.held_out_gain <= 1.0
+
+
+def test_the_whole_drafter_update_waits_for_adapted_weights_that_win_calls_in_a_row():
+    """The held-out check counts the calls in a row on which the adapted head served beat the loaded one by
+    `ESCALATION_GAIN` on both measures; a call without a clear win (or with the loaded head served) starts over."""
+    target = make_target("llama", vocab_size=VOCAB, seed=1)
+    drafter = _drafter("specblock", target, online_adaptation="bandit")
+    _serve(target, drafter, calls=1)
+    loaded = drafter.serving_states.loaded_weights["lm_head.weight"]
+    state = torch.randn(drafter.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    (top,) = _top(drafter, loaded, state[None])
+    best = next(t for t in range(loaded.shape[0]) if t != top)
+    with torch.no_grad():  # an adapted head proposing the target's top token where the loaded one does not
+        drafter.lm_head.weight[best] = loaded[top] + drafter.norm(state[None])[0]
+    others = [t for t in range(loaded.shape[0]) if t not in (top, best)][:2]
+    win, tie = [(state, [best, top], [0.7, 0.3])] * 4, [(state, others, [0.7, 0.3])] * 4  # (tie: neither proposes)
+    expected = 0
+    for rows in (win, tie, win, win):
+        adapter = _held_out_call(drafter, rows)
+        adapter._keep_better_output_side()
+        expected = expected + 1 if rows is win else 0
+        assert adapter.adapted_wins == expected and not adapter.report.restored_loaded
+        assert adapter.choose_action() != FULL or expected >= ESCALATION_CALLS
+    with torch.no_grad():
+        drafter.lm_head.weight.copy_(loaded)
+    adapter.loaded_head = adapter._head_versions()  # the loaded head served: no comparison, no win
+    adapter = _held_out_call(drafter, win)
+    adapter._keep_better_output_side()
+    assert adapter.adapted_wins == 0
 
 
 def test_a_rejected_update_is_charged_to_its_arm():

@@ -56,7 +56,8 @@ REFERENCE_CALLS = 4  # calls whose mean tau is the reference of the rollback che
 MIN_REFERENCE_CALLS = 2  # no rollback against one call's tau (prompts differ by +-20%: it undid sound updates)
 PROMOTION_GAIN = 0.02  # what a candidate head must gain over the served one to be served, on both measures
 PROMOTION_CALLS = 2  # held-out calls in a row on which a candidate head must gain that before it is served
-ESCALATION_GAIN = 0.05  # held-out first-proposal gain over the loaded weights that lets the bandit try "full"
+ESCALATION_GAIN = 0.05  # held-out gain over the loaded weights (both measures) that lets the bandit try "full" ...
+ESCALATION_CALLS = 2  # ... on this many calls in a row
 POLICY_ARMS = {"full": (FULL, SKIP), "bandit": (HEAD_ONLY, FULL, SKIP)}  # cost-aware policies
 FIXED_ACTION = {"always": FULL, "head_only": HEAD_ONLY}
 
@@ -102,6 +103,7 @@ class OnlineAdapter:
         self.pending: _Pending | None = None
         self.candidate: dict[str, torch.Tensor] | None = None  # the head-only update's head, served once it wins
         self.candidate_wins = 0  # held-out calls in a row it has won so far
+        self.adapted_wins = 0  # held-out calls in a row the adapted weights served beat the loaded ones (escalation)
         self.last_update: str | None = None  # the update action that made the current weights
         self.last_update_share = 0.0  # its time's share of the call after it (what a rejection charges)
         self.loaded_head: tuple[int, ...] | None = None  # versions of the head weights while they are the loaded ones
@@ -201,7 +203,7 @@ class OnlineAdapter:
             self.bandits[self.policy] = CostAwareBandit(POLICY_ARMS[self.policy])
         # measured (first-proposal acceptance, 32-token calls): +0.01..+0.24 on code after head updates, -0.01..+0.08
         # on held-out ShareGPT, where whole-drafter explorations cost tau
-        return self.bandits[self.policy].choose(escalate=self.report.held_out_gain >= ESCALATION_GAIN)
+        return self.bandits[self.policy].choose(escalate=self.adapted_wins >= ESCALATION_CALLS)
 
     # ---------------------------------------------------------------------------------------------------------
     def _update_whole_drafter(self) -> float | None:
@@ -271,6 +273,7 @@ class OnlineAdapter:
         # depth 1 only: a tree's deeper samples exist because of what the current head got right, and its last one
         # mostly because it got it wrong, which would bias the comparison; depth 1 is there every step
         fresh = [s for s in self.fresh if s.body_version == self.body_version and s.depth == 1]
+        wins, self.adapted_wins = self.adapted_wins, 0
         if loaded is None or not fresh or self._head_versions() == self.loaded_head:  # (the loaded head is served)
             return
         head = self._named(HEAD_ONLY)
@@ -278,17 +281,19 @@ class OnlineAdapter:
         if self.full_updates and any(
             not torch.equal(p, loaded[n]) for n, p in self.drafter.named_parameters() if n not in head_names
         ):  # (comparing every weight takes 13-25 ms, 0.5-1% of a 32-token call: only after a whole-drafter update)
-            self._keep_better_drafter(loaded)  # a whole-drafter update changed the body
-            return
-        normed = self.drafter.norm(torch.stack([s.state for s in fresh]).to(self.drafter.device, self.drafter.dtype))
-        gains = _gains(self.drafter.lm_head(normed), F.linear(normed, loaded["lm_head.weight"]), fresh)
-        self.report.held_out_gain = gains[0]
-        if min(gains) >= 0.0:
-            return
-        for name, param in head:
-            param.copy_(loaded[name])
-        self.loaded_head = self._head_versions()
-        self.report.restored_loaded = True
+            gains = self._keep_better_drafter(loaded)  # a whole-drafter update changed the body
+        else:
+            states = torch.stack([s.state for s in fresh]).to(self.drafter.device, self.drafter.dtype)
+            normed = self.drafter.norm(states)
+            gains = _gains(self.drafter.lm_head(normed), F.linear(normed, loaded["lm_head.weight"]), fresh)
+            self.report.held_out_gain = gains[0]
+            if min(gains) < 0.0:
+                for name, param in head:
+                    param.copy_(loaded[name])
+                self.loaded_head = self._head_versions()
+                self.report.restored_loaded = True
+        if gains is not None and min(gains) >= ESCALATION_GAIN:
+            self.adapted_wins = wins + 1
 
     @torch.no_grad()
     def _try_candidate(self) -> None:
@@ -321,24 +326,26 @@ class OnlineAdapter:
             self.report.promoted = True
 
     @torch.no_grad()
-    def _keep_better_drafter(self, loaded: dict[str, torch.Tensor]) -> None:
+    def _keep_better_drafter(self, loaded: dict[str, torch.Tensor]) -> tuple[float, float] | None:
         """The same check for a drafter whose body changed: both drafters replay this call's depth-1 contexts (the
-        root's own output), and the loaded weights come back, all of them, where they would have done better."""
+        root's own output), and the loaded weights come back, all of them, where they would have done better.
+        Returns the gains (None: nothing to replay)."""
         replayable = [s for s in self.fresh if s.depth == 1 and s.slot >= 0]
         if not replayable:
-            return
+            return None
         current = draft_logits(self.drafter, replay_states(self.drafter, replayable))
         with self.drafter.loaded_weights_in_place(True):
             before = draft_logits(self.drafter, replay_states(self.drafter, replayable))
         gains = _gains(current, before, replayable)
         self.report.held_out_gain = gains[0]
         if min(gains) >= 0.0:
-            return
+            return gains
         for name, param in self.drafter.named_parameters():
             param.copy_(loaded[name])
         self.body_version += 1  # stored states came from the body just replaced
         self.loaded_head = self._head_versions()
         self.report.restored_loaded = True
+        return gains
 
     def _head_versions(self) -> tuple[int, ...]:
         """Identity and in-place version of each head weight: equal to `loaded_head` while the loaded head is served."""
