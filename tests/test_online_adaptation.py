@@ -25,12 +25,13 @@ from transformers_specblock.generation.adaptation import (
     SKIP,
     CostAwareBandit,
     SignalBuffer,
+    SignalSample,
     collect_signal,
     online_adapter_for,
 )
 from transformers_specblock.generation.adaptation import adapter as adapter_module
 from transformers_specblock.generation.adaptation import update
-from transformers_specblock.generation.adaptation.adapter import ESCALATION_GAIN
+from transformers_specblock.generation.adaptation.adapter import ESCALATION_CALLS, ESCALATION_GAIN
 from transformers_specblock.generation.adaptation.signal import target_to_draft_ids
 from transformers_specblock.generation.adaptation.update import (
     adaptation_loss,
@@ -97,8 +98,8 @@ def test_greedy_identical_with_every_policy(kind, policy):
         assert changed or online_adapter_for(drafter).candidate is not None
     if policy == "always":
         assert set(actions) == {FULL}
-    if policy == "head_only":
-        assert set(actions) == {HEAD_ONLY}
+    if policy == "head_only":  # (none while a candidate that won once awaits its second test)
+        assert actions[0] == HEAD_ONLY and set(actions) <= {HEAD_ONLY, SKIP}
     if policy == "full":
         assert HEAD_ONLY not in actions
 
@@ -364,12 +365,46 @@ def test_the_held_out_gain_gates_the_whole_drafter_update():
     bandit = adapter.bandits["bandit"]
     for arm in (HEAD_ONLY, SKIP, HEAD_ONLY):  # head-only has paid twice: the bandit wants to try "full"
         bandit.record(arm, 64, 2.0 if arm == HEAD_ONLY else 3.0, 0.0)
-    adapter.report.held_out_gain = 0.0
+    adapter.adapted_wins = ESCALATION_CALLS - 1  # the adapted weights won once: not enough
     assert adapter.choose_action() == HEAD_ONLY
-    adapter.report.held_out_gain = ESCALATION_GAIN
+    adapter.adapted_wins = ESCALATION_CALLS
     assert adapter.choose_action() == FULL
-    _serve(target, drafter, calls=1)  # measured on every call after an update
+    _serve(target, drafter, calls=1)  # the loaded head is served (the candidate was not): nothing to compare
+    if not drafter.last_stats.adaptation.promoted:
+        assert math.isnan(drafter.last_stats.adaptation.held_out_gain)
+        with torch.no_grad():  # an adapted head served
+            drafter.lm_head.weight.mul_(1.5)
+    _serve(target, drafter, calls=1)  # measured on every call while adapted weights are served
     assert -1.0 <= drafter.last_stats.adaptation.held_out_gain <= 1.0
+
+
+def test_the_whole_drafter_update_waits_for_adapted_weights_that_win_calls_in_a_row():
+    """The held-out check counts the calls in a row on which the adapted head served beat the loaded one by
+    `ESCALATION_GAIN` on both measures; a call without a clear win (or with the loaded head served) starts over."""
+    target = make_target("llama", vocab_size=VOCAB, seed=1)
+    drafter = _drafter("specblock", target, online_adaptation="bandit")
+    _serve(target, drafter, calls=1)
+    loaded = drafter.serving_states.loaded_weights["lm_head.weight"]
+    state = torch.randn(drafter.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    (top,) = _top(drafter, loaded, state[None])
+    best = next(t for t in range(loaded.shape[0]) if t != top)
+    with torch.no_grad():  # an adapted head proposing the target's top token where the loaded one does not
+        drafter.lm_head.weight[best] = loaded[top] + drafter.norm(state[None])[0]
+    others = [t for t in range(loaded.shape[0]) if t not in (top, best)][:2]
+    win, tie = [(state, [best, top], [0.7, 0.3])] * 4, [(state, others, [0.7, 0.3])] * 4  # (tie: neither proposes)
+    expected = 0
+    for rows in (win, tie, win, win):
+        adapter = _held_out_call(drafter, rows)
+        adapter._keep_better_output_side()
+        expected = expected + 1 if rows is win else 0
+        assert adapter.adapted_wins == expected and not adapter.report.restored_loaded
+        assert adapter.choose_action() != FULL or expected >= ESCALATION_CALLS
+    with torch.no_grad():
+        drafter.lm_head.weight.copy_(loaded)
+    adapter.loaded_head = adapter._head_versions()  # the loaded head served: no comparison, no win
+    adapter = _held_out_call(drafter, win)
+    adapter._keep_better_output_side()
+    assert adapter.adapted_wins == 0
 
 
 def test_a_rejected_update_is_charged_to_its_arm():
@@ -442,6 +477,127 @@ def test_the_loaded_output_side_comes_back_where_it_does_better():
     assert torch.equal(drafter.lm_head.weight, loaded["lm_head.weight"]) and adapter.candidate is not None
 
 
+def _held_out_call(drafter, rows: list[tuple[torch.Tensor, list[int], list[float]]]):
+    """The adapter after one served call, its fresh signal replaced by `rows` of (state [H], the target's top ids in
+    the draft vocabulary, their probabilities), all at depth 1."""
+    adapter = online_adapter_for(drafter)
+    adapter.fresh = [
+        SignalSample(state=state, target_ids=torch.tensor(ids), target_probs=torch.tensor(probs), wrong=True,
+                     body_version=adapter.body_version)
+        for state, ids, probs in rows
+    ]  # fmt: skip
+    adapter.report = adapter_module.AdaptationReport()
+    return adapter
+
+
+@torch.no_grad()
+def _top(drafter, weight: torch.Tensor, states: torch.Tensor) -> list[int]:
+    return torch.nn.functional.linear(drafter.norm(states), weight).argmax(-1).tolist()
+
+
+def test_a_candidate_that_only_lifts_the_targets_second_choice_is_not_served():
+    """Greedy decoding accepts the target's own top token only: a candidate head whose first proposal is the
+    target's second choice where the served head's is its third gains first-proposal acceptance and nothing
+    greedy decoding would accept; it is not served. One proposing the target's top token is."""
+    target = make_target("llama", vocab_size=VOCAB, seed=1)
+    drafter = _drafter("specblock", target, online_adaptation="bandit")
+    _serve(target, drafter, calls=1)
+    served = drafter.lm_head.weight.detach().clone()
+    state = torch.randn(drafter.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    (third,) = _top(drafter, served, state[None])
+    second, first = [t for t in range(served.shape[0]) if t != third][:2]
+    normed = drafter.norm(state[None])[0].detach()
+    candidate = served.clone()
+    candidate[second] = served[third] + normed  # the candidate's top token: the target's second choice
+    adapter = _held_out_call(drafter, [(state, [first, second, third], [0.6, 0.3, 0.1])] * 4)
+    adapter.candidate = {"lm_head.weight": candidate}
+    adapter._try_candidate()
+    assert adapter.report.candidate_gain == pytest.approx(0.2)  # first-proposal acceptance: 0.3 instead of 0.1
+    assert not adapter.report.promoted and torch.equal(drafter.lm_head.weight, served)
+    candidate[first] = candidate[second] + normed  # now its top token is the target's own
+    adapter.candidate = {"lm_head.weight": candidate}
+    for call in range(adapter_module.PROMOTION_CALLS):
+        adapter = _held_out_call(drafter, [(state, [first, second, third], [0.6, 0.3, 0.1])] * 4)
+        adapter._try_candidate()
+    assert adapter.report.promoted and torch.equal(drafter.lm_head.weight, candidate)
+
+
+def test_a_candidate_is_served_only_after_winning_on_calls_in_a_row():
+    """What a candidate head wins on one prompt may not carry to the next: it is served only after winning on
+    `PROMOTION_CALLS` held-out calls in a row; in between no head-only update replaces it, and a loss drops it and
+    charges its arm."""
+    target = make_target("llama", vocab_size=VOCAB, seed=1)
+    drafter = _drafter("specblock", target, online_adaptation="bandit")
+    _serve(target, drafter, calls=1)  # a head-only update: a candidate
+    adapter = online_adapter_for(drafter)
+    served = drafter.lm_head.weight.detach().clone()
+    state = torch.randn(drafter.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    (top,) = _top(drafter, served, state[None])
+    best = next(t for t in range(served.shape[0]) if t != top)
+    good = served.clone()
+    good[best] = served[top] + drafter.norm(state[None])[0].detach()  # proposes the target's top token
+    won, lost = [(state, [best, top], [0.7, 0.3])] * 4, [(state, [top, best], [0.7, 0.3])] * 4
+    for rows in (won, lost):  # a win, then a loss: dropped, charged like a thrown-away update
+        adapter = _held_out_call(drafter, rows)
+        adapter.candidate = {"lm_head.weight": good} if rows is won else adapter.candidate
+        adapter._try_candidate()
+        assert not adapter.report.promoted and torch.equal(drafter.lm_head.weight, served)
+        assert (adapter.candidate is not None) == (rows is won)
+    bandit = adapter.bandits["bandit"]
+    adapter._charge_thrown_away_updates()
+    assert bandit.sums[HEAD_ONLY] == pytest.approx(1 - adapter.last_update_share)
+    adapter.candidate = {"lm_head.weight": good}  # wins in a row: served
+    adapter.choose_action = lambda: HEAD_ONLY  # the bandit wants a head-only update after every call
+    for call in range(adapter_module.PROMOTION_CALLS):
+        adapter = _held_out_call(drafter, won)
+        adapter.pending = None
+        report = adapter.finish_call(10, 1.0, 2.0)
+        last = call == adapter_module.PROMOTION_CALLS - 1
+        assert report.promoted == last
+        if not last:  # on probation: a head-only update would replace it, so none is run
+            assert report.action == SKIP and adapter.candidate["lm_head.weight"] is good
+    assert report.action == HEAD_ONLY and torch.equal(drafter.lm_head.weight, good)
+    adapter.candidate_wins = 1  # a newly trained candidate starts its probation afresh
+    adapter._train_candidate()
+    assert adapter.candidate_wins == 0 and adapter.candidate is not None
+
+
+def test_the_loaded_head_comes_back_where_the_served_one_agrees_less_with_greedy(monkeypatch):
+    """The held-out check puts the loaded head back where the served one proposes the target's top token less often,
+    even if it gains first-proposal acceptance elsewhere; while the loaded head is served it compares nothing."""
+    target = make_target("llama", vocab_size=VOCAB, seed=1)
+    drafter = _drafter("specblock", target, online_adaptation="head_only")
+    _serve(target, drafter, calls=1)  # an update: the loaded weights are kept
+    loaded = drafter.serving_states.loaded_weights["lm_head.weight"]
+    states = torch.randn(4, drafter.config.hidden_size, generator=torch.Generator().manual_seed(0))
+
+    def fail(*args):
+        raise AssertionError("compared while the loaded head is served")
+
+    monkeypatch.setattr(adapter_module, "first_token_acceptance", fail)
+    adapter = _held_out_call(drafter, [(s, [0, 1, 2], [0.6, 0.3, 0.1]) for s in states])
+    adapter._keep_better_output_side()  # the loaded head is served: no comparison
+    assert math.isnan(adapter.report.held_out_gain)
+    monkeypatch.undo()
+    with torch.no_grad():
+        drafter.lm_head.weight.copy_(torch.randn(loaded.shape, generator=torch.Generator().manual_seed(1)))
+    tops = list(zip(_top(drafter, loaded, states), _top(drafter, drafter.lm_head.weight, states)))
+    rows = []
+    for i, (state, (was, now)) in enumerate(zip(states, tops)):
+        other = next(t for t in range(loaded.shape[0]) if t not in (was, now))
+        if was == now:
+            rows.append((state, [other, was], [0.6, 0.4]))  # no difference
+        elif i == 0:
+            rows.append((state, [was, now, other], [0.6, 0.3, 0.1]))  # the loaded head's top is the target's
+        else:
+            rows.append((state, [other, now, was], [0.6, 0.3, 0.1]))  # the served head's is the second choice
+    assert tops[0][0] != tops[0][1] and sum(was != now for was, now in tops[1:]) >= 2
+    adapter = _held_out_call(drafter, rows)
+    adapter._keep_better_output_side()
+    assert adapter.report.held_out_gain > 0  # more first-proposal acceptance, one greedy token fewer
+    assert adapter.report.restored_loaded and torch.equal(drafter.lm_head.weight, loaded)
+
+
 def test_a_head_only_update_is_served_only_after_it_beats_the_served_head():
     """A head-only update trains a candidate; the next call's held-out check serves it where it does better than
     the served head on that call's signal and drops it otherwise, charging its arm."""
@@ -463,8 +619,10 @@ def test_a_head_only_update_is_served_only_after_it_beats_the_served_head():
         drafter.lm_head.weight.neg_()
         drafter.serving_states.loaded_weights["lm_head.weight"].neg_()
     adapter.candidate = {"lm_head.weight": loaded["lm_head.weight"].clone()}
-    _serve(target, drafter, calls=1)
-    assert drafter.last_stats.adaptation.candidate_gain > 0 and drafter.last_stats.adaptation.promoted
+    for call in range(adapter_module.PROMOTION_CALLS):  # served once it has won on calls in a row
+        _serve(target, drafter, calls=1)
+        assert drafter.last_stats.adaptation.candidate_gain > 0
+        assert drafter.last_stats.adaptation.promoted == (call == adapter_module.PROMOTION_CALLS - 1)
     assert torch.equal(drafter.lm_head.weight, loaded["lm_head.weight"])
 
 

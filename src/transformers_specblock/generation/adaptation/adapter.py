@@ -6,9 +6,9 @@ last token `finish_call` (1) scores the action taken after the previous call (th
 the snapshot taken before a whole-drafter update if this call's tau fell more than `ROLLBACK_TOLERANCE` below the
 mean tau of the (2 to 4) calls before it), (2) runs the held-out check on this call's signal, which no update has
 trained on yet: the loaded output side comes back where it does better than the served one, and the candidate head
-of the last head-only update is served only where it does better than the served head, (3) picks this call's action
-from the policy, (4) runs it, timed. The update runs inside the `generate` call, so its time is part of the call's
-wall time.
+of the last head-only update is served only once it has done better than the served head on two calls in a row,
+(3) picks this call's action from the policy, (4) runs it, timed. The update runs inside the `generate` call, so
+its time is part of the call's wall time.
 
 Head-only updates train a candidate head (from the loaded one, on the whole buffer), not the served one: one call's
 update often did not carry over to the next prompt (128-token calls: served at once, head-only updates lowered tau
@@ -44,6 +44,7 @@ from .update import (
     HEAD_ONLY,
     draft_logits,
     first_token_acceptance,
+    greedy_agreement,
     replay_states,
     train_candidate_head,
     trainable_parameters,
@@ -53,8 +54,10 @@ from .update import (
 ROLLBACK_TOLERANCE = 0.15  # roll an update back when the next call's tau is this much below the reference
 REFERENCE_CALLS = 4  # calls whose mean tau is the reference of the rollback check
 MIN_REFERENCE_CALLS = 2  # no rollback against one call's tau (prompts differ by +-20%: it undid sound updates)
-PROMOTION_GAIN = 0.02  # first-proposal acceptance a candidate head must gain over the served one to be served
-ESCALATION_GAIN = 0.05  # held-out first-proposal gain over the loaded weights that lets the bandit try "full"
+PROMOTION_GAIN = 0.02  # what a candidate head must gain over the served one to be served, on both measures
+PROMOTION_CALLS = 2  # held-out calls in a row on which a candidate head must gain that before it is served
+ESCALATION_GAIN = 0.05  # held-out gain over the loaded weights (both measures) that lets the bandit try "full" ...
+ESCALATION_CALLS = 2  # ... on this many calls in a row
 POLICY_ARMS = {"full": (FULL, SKIP), "bandit": (HEAD_ONLY, FULL, SKIP)}  # cost-aware policies
 FIXED_ACTION = {"always": FULL, "head_only": HEAD_ONLY}
 
@@ -69,9 +72,11 @@ class AdaptationReport:
     signal_wrong: int = 0  # of which the drafter's best proposal was wrong
     rolled_back: bool = False  # the previous call's update was undone
     restored_loaded: bool = False  # the loaded output side did better on this call's signal and was put back
-    held_out_gain: float = float("nan")  # first-proposal acceptance of the served minus the loaded weights
+    held_out_gain: float = float("nan")  # first-proposal acceptance of the served minus the loaded weights (nan
+    # while the loaded ones are served)
     candidate_gain: float = float("nan")  # the same, the last head-only update's candidate minus the served head
-    promoted: bool = False  # that candidate gained `PROMOTION_GAIN` or more and is served from the next call on
+    promoted: bool = False  # that candidate gained `PROMOTION_GAIN` or more (and as much in greedy agreement): it is
+    # served from the next call on
     loss: float = float("nan")  # soft cross entropy of the update's first step
 
 
@@ -97,8 +102,11 @@ class OnlineAdapter:
         self.full_updates = 0  # whole-drafter updates run (none: the body is the loaded one)
         self.pending: _Pending | None = None
         self.candidate: dict[str, torch.Tensor] | None = None  # the head-only update's head, served once it wins
+        self.candidate_wins = 0  # held-out calls in a row it has won so far
+        self.adapted_wins = 0  # held-out calls in a row the adapted weights served beat the loaded ones (escalation)
         self.last_update: str | None = None  # the update action that made the current weights
         self.last_update_share = 0.0  # its time's share of the call after it (what a rejection charges)
+        self.loaded_head: tuple[int, ...] | None = None  # versions of the head weights while they are the loaded ones
         self.recent_tau: deque[float] = deque(maxlen=REFERENCE_CALLS)
         self.report = AdaptationReport()
         self.fresh: list[SignalSample] = []  # this call's samples: held out until the update after it
@@ -160,9 +168,13 @@ class OnlineAdapter:
         self._charge_thrown_away_updates()
         self.recent_tau.append(tau)
         action = self.choose_action()
+        if action == HEAD_ONLY and self.candidate is not None:  # one has won and is tested again on the next call:
+            action = SKIP  # a new candidate would replace it
         snapshot, seconds = None, check_seconds
         if action != SKIP:
-            self.drafter.remember_loaded_weights()
+            if self.drafter.serving_states.loaded_weights is None:  # (the first update: the head is the loaded one)
+                self.drafter.remember_loaded_weights()
+                self.loaded_head = self._head_versions()
             if action == FULL:
                 snapshot = {n: p.detach().clone() for n, p in self._named(action)}
             start = time.perf_counter()
@@ -177,7 +189,7 @@ class OnlineAdapter:
             if action == FULL:
                 self.body_version += 1  # stored states of earlier samples no longer match the body
                 self.full_updates += 1
-                self.candidate = None  # trained on states of the old body
+                self.candidate, self.candidate_wins = None, 0  # trained on states of the old body
         reference = sum(self.recent_tau) / len(self.recent_tau)
         self.pending = _Pending(action, seconds, reference, len(self.recent_tau), snapshot)
         self.report.action, self.report.update_time_s = action, seconds
@@ -191,7 +203,7 @@ class OnlineAdapter:
             self.bandits[self.policy] = CostAwareBandit(POLICY_ARMS[self.policy])
         # measured (first-proposal acceptance, 32-token calls): +0.01..+0.24 on code after head updates, -0.01..+0.08
         # on held-out ShareGPT, where whole-drafter explorations cost tau
-        return self.bandits[self.policy].choose(escalate=self.report.held_out_gain >= ESCALATION_GAIN)
+        return self.bandits[self.policy].choose(escalate=self.adapted_wins >= ESCALATION_CALLS)
 
     # ---------------------------------------------------------------------------------------------------------
     def _update_whole_drafter(self) -> float | None:
@@ -210,7 +222,7 @@ class OnlineAdapter:
         if trained is None:
             return None
         weight, loss = trained
-        self.candidate = {"lm_head.weight": weight}
+        self.candidate, self.candidate_wins = {"lm_head.weight": weight}, 0
         return loss
 
     def _charge_thrown_away_updates(self) -> None:
@@ -221,7 +233,7 @@ class OnlineAdapter:
         thrown_away = set()
         if self.report.restored_loaded and not self.report.rolled_back and self.last_update in bandit.arms:
             thrown_away.add(self.last_update)
-        if not math.isnan(self.report.candidate_gain) and not self.report.promoted:
+        if not math.isnan(self.report.candidate_gain) and not self.report.promoted and self.candidate is None:
             thrown_away.add(HEAD_ONLY)
         for arm in thrown_away & set(bandit.arms):
             bandit.reject(arm, self.last_update_share)
@@ -253,76 +265,103 @@ class OnlineAdapter:
     def _keep_better_output_side(self) -> None:
         """Held-out check on this call's signal (no update has trained on it yet): where the body is still the
         loaded one, compare how often the served and the loaded output side would have proposed the target's token
-        first right after each step's root (the target probability of each one's top draft token, summed over the
-        same depth-1 states); if the loaded one wins, put it back. This keeps a head adapted to one domain from
-        costing tau when the stream moves on."""
+        first right after each step's root (the target probability of each one's top draft token, and how often it
+        is the target's own top token, over the same depth-1 states); if the loaded one does better on either, put
+        it back. This keeps a head adapted to one domain from costing tau when the stream moves on. Nothing to
+        compare (and no time spent) while the loaded head is served."""
         loaded = self.drafter.serving_states.loaded_weights
         # depth 1 only: a tree's deeper samples exist because of what the current head got right, and its last one
         # mostly because it got it wrong, which would bias the comparison; depth 1 is there every step
         fresh = [s for s in self.fresh if s.body_version == self.body_version and s.depth == 1]
-        if loaded is None or not fresh:
+        wins, self.adapted_wins = self.adapted_wins, 0
+        if loaded is None or not fresh or self._head_versions() == self.loaded_head:  # (the loaded head is served)
             return
         head = self._named(HEAD_ONLY)
         head_names = {n for n, _ in head}
         if self.full_updates and any(
             not torch.equal(p, loaded[n]) for n, p in self.drafter.named_parameters() if n not in head_names
         ):  # (comparing every weight takes 13-25 ms, 0.5-1% of a 32-token call: only after a whole-drafter update)
-            self._keep_better_drafter(loaded)  # a whole-drafter update changed the body
-            return
-        states = torch.stack([s.state for s in fresh]).to(self.drafter.device, self.drafter.dtype)
-        current = first_token_acceptance(draft_logits(self.drafter, states), fresh)
-        before = first_token_acceptance(F.linear(self.drafter.norm(states), loaded["lm_head.weight"]), fresh)
-        self.report.held_out_gain = (current - before) / len(fresh)
-        if current >= before:
-            return
-        for name, param in head:
-            param.copy_(loaded[name])
-        self.report.restored_loaded = True
+            gains = self._keep_better_drafter(loaded)  # a whole-drafter update changed the body
+        else:
+            states = torch.stack([s.state for s in fresh]).to(self.drafter.device, self.drafter.dtype)
+            normed = self.drafter.norm(states)
+            gains = _gains(self.drafter.lm_head(normed), F.linear(normed, loaded["lm_head.weight"]), fresh)
+            self.report.held_out_gain = gains[0]
+            if min(gains) < 0.0:
+                for name, param in head:
+                    param.copy_(loaded[name])
+                self.loaded_head = self._head_versions()
+                self.report.restored_loaded = True
+        if gains is not None and min(gains) >= ESCALATION_GAIN:
+            self.adapted_wins = wins + 1
 
     @torch.no_grad()
     def _try_candidate(self) -> None:
-        """Serve the last head-only update's candidate head where it beats the served head by `PROMOTION_GAIN` on
-        this call's states (which it has not trained on), every depth: the deeper ones favour the served head (they
-        exist where it was right), which makes the test conservative; drop the candidate either way (the next
-        head-only update trains a new one from the loaded head on the buffer, this call's states included).
-        Measured (SpecBlock, 128-token calls, shift stream): served on any gain, candidates that won on one call lost
-        tau on the next (up to 15%); with the margin, tau is that of "off" or above."""
+        """Serve the last head-only update's candidate head once it has beaten the served head by `PROMOTION_GAIN`
+        on `PROMOTION_CALLS` calls in a row, on each call's states (which it has not trained on), every depth, both
+        in first-proposal acceptance and in greedy agreement: the deeper states favour the served head (they exist
+        where it was right), which makes the test conservative. A candidate that loses is dropped (the next head-only
+        update trains a new one from the loaded head on the buffer, this call's states included); one that won but
+        not yet often enough is kept for the next call's test. Measured (SpecBlock, 128-token calls, shift stream):
+        served on any gain, candidates that won on one call lost tau on the next (up to 15%); with the margin, tau is
+        that of "off" or above. Greedy agreement too, because acceptance alone credits a candidate that only moves a
+        second choice of the target up, which greedy decoding never accepts; two calls, because on a stream of
+        HumanEval problems (48-token calls, fixed budget 16) what a candidate wins on one problem does not carry to
+        the next: served after one won call, candidates cost 1.5% of tau (docs/design.md)."""
         candidate, self.candidate = self.candidate, None
         fresh = [s for s in self.fresh if s.body_version == self.body_version]
         if candidate is None or not fresh:
+            self.candidate_wins = 0
             return
         normed = self.drafter.norm(torch.stack([s.state for s in fresh]).to(self.drafter.device, self.drafter.dtype))
-        served = first_token_acceptance(self.drafter.lm_head(normed), fresh)
-        tried = first_token_acceptance(F.linear(normed, candidate["lm_head.weight"]), fresh)
-        self.report.candidate_gain = (tried - served) / len(fresh)
-        if self.report.candidate_gain >= PROMOTION_GAIN:
+        gains = _gains(F.linear(normed, candidate["lm_head.weight"]), self.drafter.lm_head(normed), fresh)
+        self.report.candidate_gain = gains[0]
+        self.candidate_wins = self.candidate_wins + 1 if min(gains) >= PROMOTION_GAIN else 0
+        if 0 < self.candidate_wins < PROMOTION_CALLS:
+            self.candidate = candidate  # tested again on the next call
+        elif self.candidate_wins:
             for name, param in self._named(HEAD_ONLY):
                 param.copy_(candidate[name])
+            self.candidate_wins = 0
             self.report.promoted = True
 
     @torch.no_grad()
-    def _keep_better_drafter(self, loaded: dict[str, torch.Tensor]) -> None:
+    def _keep_better_drafter(self, loaded: dict[str, torch.Tensor]) -> tuple[float, float] | None:
         """The same check for a drafter whose body changed: both drafters replay this call's depth-1 contexts (the
-        root's own output), and the loaded weights come back, all of them, where they would have done better."""
+        root's own output), and the loaded weights come back, all of them, where they would have done better.
+        Returns the gains (None: nothing to replay)."""
         replayable = [s for s in self.fresh if s.depth == 1 and s.slot >= 0]
         if not replayable:
-            return
-        states = replay_states(self.drafter, replayable)
-        current = first_token_acceptance(draft_logits(self.drafter, states), replayable)
+            return None
+        current = draft_logits(self.drafter, replay_states(self.drafter, replayable))
         with self.drafter.loaded_weights_in_place(True):
-            states = replay_states(self.drafter, replayable)
-            before = first_token_acceptance(draft_logits(self.drafter, states), replayable)
-        self.report.held_out_gain = (current - before) / len(replayable)
-        if current >= before:
-            return
+            before = draft_logits(self.drafter, replay_states(self.drafter, replayable))
+        gains = _gains(current, before, replayable)
+        self.report.held_out_gain = gains[0]
+        if min(gains) >= 0.0:
+            return gains
         for name, param in self.drafter.named_parameters():
             param.copy_(loaded[name])
         self.body_version += 1  # stored states came from the body just replaced
+        self.loaded_head = self._head_versions()
         self.report.restored_loaded = True
+        return gains
+
+    def _head_versions(self) -> tuple[int, ...]:
+        """Identity and in-place version of each head weight: equal to `loaded_head` while the loaded head is served."""
+        return tuple(v for _, p in self._named(HEAD_ONLY) for v in (p.data_ptr(), p._version))
 
     def _named(self, action: str) -> list[tuple[str, torch.nn.Parameter]]:
         wanted = {id(p) for p in trainable_parameters(self.drafter, action)}
         return [(n, p) for n, p in self.drafter.named_parameters() if id(p) in wanted]
+
+
+def _gains(tried: torch.Tensor, served: torch.Tensor, samples: list[SignalSample]) -> tuple[float, float]:
+    """What output side `tried` gains over `served` (draft logits [S, Vd] at the same states) per sample: first-proposal
+    acceptance (`update.first_token_acceptance`) and greedy agreement (`update.greedy_agreement`)."""
+    soft = first_token_acceptance(tried, samples) - first_token_acceptance(served, samples)
+    greedy = greedy_agreement(tried, samples) - greedy_agreement(served, samples)
+    return soft / len(samples), greedy / len(samples)
 
 
 def online_adapter_for(drafter: TreeDraftModel, state: ServingState | None = None) -> OnlineAdapter:

@@ -14,8 +14,10 @@ not pay, a whole-drafter one is not explored (measured in domain: one explorator
 time, and one head-only reward that noise had put above "skip" was enough to explore it twice in 15 calls).
 
 The same held-out check also gates the costlier arms: the adapter lets the bandit explore or take "full" only on
-a call where the adapted weights beat the loaded ones on the call's fresh signal by `ESCALATION_GAIN` (`choose(
-escalate=...)`): a whole-drafter update is worth its cost where adapting measurably helps, not in domain.
+calls where the adapted weights beat the loaded ones on the call's fresh signal by `ESCALATION_GAIN`, two in a row
+(`choose(escalate=...)`): a whole-drafter update is worth its cost where adapting measurably helps, not in domain
+(one call's win was not enough: on a HumanEval stream a served candidate's one win opened two whole-drafter
+updates of 3.4 s each, both rolled back).
 
 A second, low-noise signal: when the held-out check finds the loaded weights better than the adapted ones on a call's
 fresh signal (same states, no throughput noise) and puts them back, drops a head-only update's candidate head that

@@ -136,6 +136,14 @@ def first_token_acceptance(logits: torch.Tensor, samples: list[SignalSample]) ->
     return float((probs * (ids == top)).sum())
 
 
+def greedy_agreement(logits: torch.Tensor, samples: list[SignalSample]) -> int:
+    """How many rows' top draft token is the target's own top token (logits [S, Vd]): what greedy decoding accepts
+    (`first_token_acceptance` also credits a second choice the target gives some probability, which greedy never
+    accepts)."""
+    best = torch.stack([s.target_ids[0] for s in samples]).to(logits.device)  # [S] (-1: outside the draft vocabulary)
+    return int((logits.argmax(-1) == best).sum())
+
+
 @torch.no_grad()
 def sgd_step(groups: list[tuple[list[nn.Parameter], float]]) -> None:
     """One plain gradient step per (parameters, learning rate) group."""

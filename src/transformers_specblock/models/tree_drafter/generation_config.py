@@ -138,7 +138,8 @@ class TreeGenerationConfig(GenerationConfig):
         this `generate` call, so pruning to `tree_budget` (and "auto") weighs them with the drafter's nodes.
         online_adaptation: Learn from the verifier while serving (`generation.adaptation`): "off" (default); "always"
             (update the whole drafter after every `generate` call, OSD-style); "head_only" (train a candidate output
-            side, `lm_head`, after every call, served once it beats the served one on the next call); "full" (a
+            side, `lm_head`, after every call, served once it has beaten the served one on the next two calls; no
+            new candidate while one that won once awaits its second test); "full" (a
             cost-aware bandit choosing between skipping and a whole-drafter update); "bandit" (the cost-aware bandit
             over skip / output side / whole drafter). The signal is the target distribution the verification already
             computed; outputs are unchanged.
