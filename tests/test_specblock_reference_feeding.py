@@ -6,34 +6,18 @@ same tokens at every step."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
-from transformers import LlamaConfig, LlamaForCausalLM
 
+from test_specblock_reference import manifest, target  # noqa: F401  (fixtures)
 from transformers_specblock import Eagle3DraftModel, SpecBlockDraftModel
 from transformers_specblock.generation.candidate_generators.specblock import SpecBlockCandidateGenerator
 from transformers_specblock.models.tree_drafter.generation_config import TreeGenerationConfig
 
 FIXTURES = Path(__file__).parent / "reference" / "fixtures"
-
-
-@pytest.fixture(scope="module")
-def target() -> LlamaForCausalLM:
-    """The fixtures' tiny Llama target (seed 0) with the token embedding the reference drafter read."""
-    sizes = json.loads((FIXTURES / "manifest.json").read_text())["sizes"]
-    config = LlamaConfig(
-        hidden_size=sizes["hidden"], intermediate_size=sizes["intermediate"], num_hidden_layers=4,
-        num_attention_heads=sizes["heads"], num_key_value_heads=sizes["kv_heads"], vocab_size=sizes["vocab"],
-    )  # fmt: skip
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(config).eval()
-    with torch.no_grad():
-        model.get_input_embeddings().weight.copy_(load_file(FIXTURES / "target_embedding.safetensors")["weight"])
-    return model
 
 
 @pytest.fixture(scope="module")
