@@ -11,7 +11,8 @@
 #   head-start   sharegpt, its decoder layers started from the target's top layers (--init_decoder_from_target)
 #   one-layer    sharegpt, one decoder layer instead of two (--drafter_num_layers 1)
 # Each trains for about TOKENS training tokens (its step count from its data's mean conversation length), evaluating
-# every 25 steps on the ShareGPT held-out split, and resumes where it stopped. Compare the curves against tokens:
+# every 25 steps (a twentieth of the run when that is longer) on the ShareGPT held-out split, and resumes where it
+# stopped. Compare the curves against tokens:
 #   python examples/plot_learning_curves.py ROOT/regenerated ROOT/sharegpt --x tokens
 # then tau on MT-Bench / HumanEval with examples/evaluate_drafter.py. The arms run side by side, one thread each,
 # under `nice -n NICE`.
@@ -46,7 +47,8 @@ print(round(int(sys.argv[2]) / (2 * t['tokens'] / t['conversations'])))" "$ROOT/
     --dataset "$ROOT/data-$DATA/train.jsonl" --eval_dataset sharegpt-heldout --eval_samples 64 --draft_vocab_size 8192 \
     --max_length 512 --per_device_train_batch_size 2 --learning_rate 7e-4 --lr_scheduler_type cosine \
     --warmup_steps $((STEPS / 10)) --max_steps "$STEPS" --save_steps 10 --save_total_limit 2 --logging_steps 5 \
-    --eval_strategy steps --eval_steps 25 --save_dtype bfloat16 --features online --dtype bfloat16 --bf16 \
+    --eval_strategy steps --eval_steps $((STEPS / 20 > 25 ? STEPS / 20 : 25)) --save_dtype bfloat16 \
+    --features online --dtype bfloat16 --bf16 \
     --seed 0 --report_to none --dataloader_num_workers 0 --use_cpu --block_size 4 --num_blocks 2 \
     --slot_normalization slot0 --fusion_identity_init "${EXTRA[@]}" --resume_from_checkpoint last \
     --output_dir "$ROOT/$ARM" > "$ROOT/$ARM.log" 2>&1 &
