@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 from pathlib import Path
 
 from campaign_curve import state_of
+
+from transformers_specblock.utils import write_atomically
 
 
 def arm_curve(state: dict) -> dict:
@@ -42,9 +43,7 @@ def main() -> None:
         found = state_of(arm)
         if found is not None:
             curves[arm.name] = arm_curve(found[0])
-    tmp = options.output.with_suffix(".tmp")
-    tmp.write_text(json.dumps(curves, indent=1) + "\n")
-    os.replace(tmp, options.output)
+    write_atomically(options.output, json.dumps(curves, indent=1) + "\n")
     for arm, curve in curves.items():
         last = curve["points"][-1] if curve["points"] else {}
         print(f"{arm}: step {curve['global_step']}/{curve['max_steps']}, last eval {last}")

@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from pathlib import Path
 
 import numpy as np
+
+from transformers_specblock.utils import write_atomically
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "docs/results"
@@ -53,9 +54,7 @@ def main() -> None:
         },
     }
     path = RESULTS / "campaign/extrapolation.json"
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(result, indent=1) + "\n")
-    os.replace(tmp, path)
+    write_atomically(path, json.dumps(result, indent=1) + "\n")
     print(json.dumps(result, indent=1))
 
 

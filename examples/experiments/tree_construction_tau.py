@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 from pathlib import Path
 
 import torch
@@ -25,6 +24,7 @@ from transformers_specblock import SpecBlockDraftModel, load_prompts
 from transformers_specblock.hub.loading import load_model
 from transformers_specblock.hub.provenance import describe_hardware
 from transformers_specblock.hub.shipped import resolve_drafter_path
+from transformers_specblock.utils import write_atomically
 
 OFF = {"prompt_lookup_num_tokens": 0, "ngram_cache_num_tokens": 0, "suffix_cache_num_tokens": 0,
        "suffix_local_num_tokens": 0, "online_adaptation": "off"}  # fmt: skip
@@ -100,9 +100,7 @@ def main(argv: list[str] | None = None) -> None:
                   "hardware": describe_hardware(target.device, target.dtype, torch.float32),
                   "summary": summarise(done), "rows": done}  # fmt: skip
         output.parent.mkdir(parents=True, exist_ok=True)
-        tmp = output.with_suffix(".tmp")
-        tmp.write_text(json.dumps(result, indent=1))
-        os.replace(tmp, output)
+        write_atomically(output, json.dumps(result, indent=1))
 
 
 if __name__ == "__main__":

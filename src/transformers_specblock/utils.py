@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import statistics
 from collections import deque
 from typing import Any
@@ -91,3 +92,13 @@ class RecentMean:
 
     def _recent(self, step: int) -> list[float]:
         return [v for i, (s, v) in enumerate(reversed(self.samples)) if i < self.keep or s > step - self.window]
+
+
+def write_atomically(path: str | os.PathLike, text: str) -> None:
+    """Write ``text`` to ``path`` through a synced temporary file and a rename: readers see the old or the new file."""
+    tmp = f"{os.fspath(path)}.tmp"
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)

@@ -14,6 +14,7 @@ from transformers import PreTrainedModel, Trainer, TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, EvalLoopOutput
 
 from ..models.specblock.modeling_specblock import SpecBlockDraftModel
+from ..utils import write_atomically
 from .features import _target_head, draft_target_logits, target_argmax, target_features
 from .losses import _all_reduce, stats_to_metrics
 from .modeling import SpecBlockDraftModelForTraining
@@ -65,15 +66,6 @@ def last_complete_checkpoint(output_dir: str | os.PathLike) -> str | None:
         if match and os.path.isfile(os.path.join(output_dir, name, CHECKPOINT_COMPLETE)):
             steps.append(int(match.group(1)))
     return os.path.join(output_dir, f"{PREFIX_CHECKPOINT_DIR}-{max(steps)}") if steps else None
-
-
-def _write_atomically(path: str, text: str) -> None:
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def session_records(log_history: list[dict[str, Any]], final_step: int) -> list[dict[str, Any]]:
@@ -252,7 +244,7 @@ class SpecBlockTrainer(Trainer):
             os.remove(marker)
         super()._save_checkpoint(model, trial)
         if self.args.should_save and os.path.isdir(folder):  # rotation may have removed it (save_total_limit 0)
-            _write_atomically(marker, json.dumps({"step": self.state.global_step, "train_seconds": seconds,
+            write_atomically(marker, json.dumps({"step": self.state.global_step, "train_seconds": seconds,
                                                   "train_cpu_seconds": cpu_seconds}))
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:  # noqa: D102
