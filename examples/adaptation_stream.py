@@ -4,7 +4,8 @@ code, then chat, a shuffled mix of both, and held-out ShareGPT (in domain), unde
     OMP_NUM_THREADS=1 python examples/adaptation_stream.py --output_dir out/adaptation \
         --num_code 12 --num_chat 6 --num_sharegpt 8 --max_new_tokens 48
 
-A run is (stream, drafter, policy): a freshly loaded drafter serves the stream's prompts one `generate` call each
+A run is stream/drafter/policy, optionally with a label (`shift/specblock/off/repeat`: a second "off" run, the
+A/A control of the timings): a freshly loaded drafter serves the stream's prompts one `generate` call each
 (greedy, a fixed tree budget); the runs of one stream are interleaved prompt by prompt, so that the machine's slower
 spells hit every policy alike. Every call is timed from the call to the return, so the update time (run inside the
 call) is included. Per call: tau, tokens, seconds, the adaptation action, its time and signal, rollbacks, the
@@ -101,7 +102,7 @@ def load_drafter(drafter_name: str, policy: str, tokenizer, target, args):
 def serve(target, tokenizer, stream: list[dict], runs: list[str], args, references) -> dict[str, list[dict]]:
     """The runs of one stream, interleaved: each prompt is served by every run's own drafter in turn, so a slower
     spell of the machine hits all policies alike. One row per run and call."""
-    drafters = {run: load_drafter(*run.split("/")[1:], tokenizer, target, args) for run in runs}
+    drafters = {run: load_drafter(*run.split("/")[1:3], tokenizer, target, args) for run in runs}
     rows: dict[str, list[dict]] = {run: [] for run in runs}
     for index, row in enumerate(stream):
         inputs = encode(tokenizer, row)
@@ -163,27 +164,36 @@ def paired_speedup(calls: list[dict], off_calls: list[dict]) -> float:
     return sum(o["seconds"] for o in off_calls) / estimated
 
 
+def median_cpu_ratio(calls: list[dict], off_calls: list[dict]) -> float:
+    """Median over calls of off's CPU time over the run's (the same tokens per call): one slow call cannot decide it."""
+    ratios = sorted(o["cpu_seconds"] / r["cpu_seconds"] for r, o in zip(calls, off_calls))
+    middle = len(ratios) // 2
+    return ratios[middle] if len(ratios) % 2 else (ratios[middle - 1] + ratios[middle]) / 2
+
+
 def write_report(out_dir: Path, results: dict[str, dict], settings: dict) -> None:
     (out_dir / "results.json").write_text(json.dumps({"settings": settings, "runs": results}, indent=1))
     lines = [
         "| stream | drafter | policy | tau | tau first third | tau last third | tau code, last third | tau chat | "
-        "tokens/s (incl. updates) | vs off | vs off, CPU time | vs off, paired estimate | update share | actions | "
-        "candidate heads served | rollbacks / loaded head back | identical |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "tokens/s (incl. updates) | vs off | vs off, CPU time | vs off, median per-call CPU time | vs off, paired estimate | "
+        "update share | actions | candidate heads served | rollbacks / loaded head back | identical |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for key, run in results.items():
-        stream, drafter, policy = key.split("/")
+        stream, drafter, *policy = key.split("/")
+        policy = "/".join(policy)
         s = run["summary"]
         off = results.get(f"{stream}/{drafter}/off", {}).get("summary")
         versus = f"{s['tokens_per_s'] / off['tokens_per_s']:.3f}" if off else "-"
         versus_cpu = f"{s['tokens_per_cpu_s'] / off['tokens_per_cpu_s']:.3f}" if off else "-"
         off_calls = results.get(f"{stream}/{drafter}/off", {}).get("calls")
         paired = f"{paired_speedup(run['calls'], off_calls):.3f}" if off_calls else "-"
+        median = f"{median_cpu_ratio(run['calls'], off_calls):.3f}" if off_calls else "-"
         actions = ", ".join(f"{a} {n}" for a, n in sorted(s["actions"].items()))
         lines.append(
             f"| {stream} | {drafter} | {policy} | {s['tau']:.3f} | {s['tau_first_third']:.3f} | "
             f"{s['tau_last_third']:.3f} | {s['tau_code_last_third']:.3f} | {s['tau_chat']:.3f} | "
-            f"{s['tokens_per_s']:.2f} | {versus} | {versus_cpu} | {paired} | {100 * s['update_share']:.1f}% | "
+            f"{s['tokens_per_s']:.2f} | {versus} | {versus_cpu} | {median} | {paired} | {100 * s['update_share']:.1f}% | "
             f"{actions} | {s.get('promoted', 0)} | {s['rollbacks']} / {s['restored_loaded']} | "
             f"{'yes' if s['identical'] else 'NO'} |"
         )

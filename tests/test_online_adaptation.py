@@ -23,6 +23,8 @@ from transformers_specblock.generation.adaptation import (
     FULL,
     HEAD_ONLY,
     SKIP,
+    WAIT,
+    Backoff,
     CostAwareBandit,
     SignalBuffer,
     SignalSample,
@@ -39,7 +41,7 @@ from transformers_specblock.generation.adaptation.update import (
     train_candidate_head,
     update_whole_drafter,
 )
-from transformers_specblock.generation.tree import DraftTree
+from transformers_specblock.generation.tree import SOURCE_BITS, DraftTree
 
 POLICIES = ["off", "always", "head_only", "full", "bandit"]
 VOCAB = 24
@@ -90,8 +92,8 @@ def test_greedy_identical_with_every_policy(kind, policy):
     if policy == "off":
         assert set(actions) == {"off"} and not changed
     else:
-        assert set(actions) <= {SKIP, HEAD_ONLY, FULL} and set(actions) & {HEAD_ONLY, FULL}
-        assert drafter.last_stats.adaptation.signal > 0
+        assert set(actions) <= {SKIP, HEAD_ONLY, FULL, WAIT} and set(actions) & {HEAD_ONLY, FULL}
+        assert policy in ("full", "bandit") or WAIT not in actions  # (only a cost-aware policy backs off)
     if policy == "always":  # (a cost-aware policy may roll its only update back)
         assert changed
     if policy == "head_only":  # its updates train a candidate head, served once it beats the served one
@@ -162,6 +164,20 @@ def test_signal_follows_the_accepted_path_to_the_first_rejected_position():
     nothing = torch.tensor([], dtype=torch.long)
     (only,) = collect_signal(generator, tree, nothing, torch.tensor([7]), logits, to_draft, 3, 0)
     assert only.wrong
+
+
+def test_signal_marks_positions_a_free_candidate_had_proposed():
+    """Where a free source had proposed the committed token, the drafter's proposal did not decide the position:
+    the held-out checks leave it out."""
+    tree, generator = _hand_tree()
+    verified = DraftTree(tree.tokens.clone(), tree.parents.clone(), tree.depths.clone(), tree.scores.clone())
+    verified.sources[1] |= SOURCE_BITS["prompt_lookup"]  # 5 also came from prompt lookup; 4 only from the drafter
+    logits = torch.randn(len(tree), 12)
+    samples = collect_signal(generator, verified, torch.tensor([1, 4]), torch.tensor([11]), logits, torch.arange(12), 3, 0)
+    assert [s.covered for s in samples] == [True, False]
+    (bonus,) = collect_signal(generator, verified, torch.tensor([], dtype=torch.long), torch.tensor([5]), logits,
+                              torch.arange(12), 3, 0)  # fmt: skip
+    assert not bonus.covered  # (rejected: whatever proposed it was not in the verified tree)
 
 
 def test_draft_vocabulary_mapping_marks_missing_ids():
@@ -316,6 +332,47 @@ def test_one_thrown_away_update_does_not_end_a_useful_adaptation():
     bandit.reject(HEAD_ONLY, 0.1)
     assert bandit.counts[HEAD_ONLY] == 1.0  # the same pull, its reward replaced
     assert bandit.mean(HEAD_ONLY) == pytest.approx(0.9 * bandit.mean(SKIP))
+
+
+def test_backoff_doubles_the_wait_after_each_update_thrown_away():
+    backoff = Backoff(limit=8)
+    assert not backoff.waiting()
+    waits = []
+    for _ in range(4):
+        backoff.update_thrown_away()
+        waits.append(0)
+        while backoff.waiting():
+            waits[-1] += 1
+    assert waits == [2, 4, 8, 8]  # (capped at the limit)
+    backoff.update_thrown_away()
+    backoff.update_kept()  # a kept update: the policy is asked on the next call, and the next wait is short again
+    assert not backoff.waiting()
+    backoff.update_thrown_away()
+    assert backoff.wait == 2
+
+
+def test_a_bandit_whose_updates_are_thrown_away_backs_off_and_captures_nothing_meanwhile(monkeypatch):
+    """On a stream where no candidate head is ever served, the bandit waits 2, then 4 calls after each dropped one,
+    and captures the signal (keeps producers while drafting) only on calls after which it may update or that test a
+    candidate; outputs stay identical."""
+    monkeypatch.setattr(adapter_module, "PROMOTION_GAIN", 2.0)  # no candidate can win: each is dropped
+    target = make_target("llama", vocab_size=VOCAB, seed=1)
+    drafter = _drafter("specblock", target, online_adaptation="bandit")
+    actions, signals = [], []
+    for call in range(12):
+        actions += _serve(target, drafter, calls=1)
+        signals.append(drafter.last_stats.adaptation.signal)
+    adapter = online_adapter_for(drafter)
+    assert actions[:4] == [HEAD_ONLY, WAIT, WAIT, SKIP]  # dropped at call 1: calls 1-2 wait, call 3 asks again
+    # captured: the first call, and each call testing a candidate; not while waiting, nor where the bandit asked at
+    # the start would skip (call 3: "skip" is not measured yet)
+    assert signals[0] > 0 and signals[1] > 0 and signals[2] == 0 and signals[3] == 0
+    assert all(signals[i + 1] > 0 for i, action in enumerate(actions[:-1]) if action == HEAD_ONLY)
+    asked = [a for a in actions if a != WAIT]
+    assert actions.count(HEAD_ONLY) == adapter.backoff.thrown_away + (adapter.candidate is not None)
+    assert all(s == 0 for a, s, before in zip(actions[1:], signals[1:], actions) if a == before == WAIT)
+    assert len(asked) < len(actions)
+    assert torch.equal(drafter.lm_head.weight, drafter.serving_states.loaded_weights["lm_head.weight"])
 
 
 def test_one_lucky_head_update_does_not_open_the_whole_drafter_update():
@@ -560,6 +617,26 @@ def test_a_candidate_is_served_only_after_winning_on_calls_in_a_row():
     adapter.candidate_wins = 1  # a newly trained candidate starts its probation afresh
     adapter._train_candidate()
     assert adapter.candidate_wins == 0 and adapter.candidate is not None
+
+
+def test_a_candidate_that_wins_only_where_free_candidates_decided_is_not_served():
+    target = make_target("llama", vocab_size=VOCAB, seed=1)
+    drafter = _drafter("specblock", target, online_adaptation="bandit")
+    _serve(target, drafter, calls=1)
+    served = drafter.lm_head.weight.detach().clone()
+    state = torch.randn(drafter.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    (top,) = _top(drafter, served, state[None])
+    best = next(t for t in range(served.shape[0]) if t != top)
+    good = served.clone()
+    good[best] = served[top] + drafter.norm(state[None])[0].detach()  # proposes the target's top token
+    for covered in (True, False):
+        adapter = _held_out_call(drafter, [(state, [best, top], [0.7, 0.3])] * 4)
+        for sample in adapter.fresh:
+            sample.covered = covered
+        adapter.candidate, adapter.candidate_wins = {"lm_head.weight": good}, adapter_module.PROMOTION_CALLS - 1
+        adapter._try_candidate()
+        assert adapter.report.promoted == (not covered)
+        drafter.lm_head.weight.data.copy_(served)
 
 
 def test_the_loaded_head_comes_back_where_the_served_one_agrees_less_with_greedy(monkeypatch):

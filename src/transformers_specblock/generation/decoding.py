@@ -312,7 +312,7 @@ class _Loop:
         """What one row's verified tree (its accepted nodes `path`) teaches: the free candidates' scores, online
         adaptation's signal and the budget chooser's estimates."""
         row.generator.record_verified(tree, path)
-        if self.adapter is not None and budget > 0:  # the verified rows teach the drafter (no extra target forward)
+        if self.adapter is not None and self.adapter.capturing and budget > 0:  # the verified rows teach the drafter
             path_nodes = torch.tensor(path, dtype=torch.long, device=tree.tokens.device)
             self.adapter.capture(row.generator, tree, path_nodes, bonus, logits.float())
         if self.auto_budget is not None and budget > 0:

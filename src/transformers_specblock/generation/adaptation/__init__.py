@@ -6,7 +6,7 @@ adapter.py (the per-drafter state the decoding loop drives: capture, score, roll
 """
 
 from .adapter import AdaptationReport, OnlineAdapter, online_adapter_for
-from .bandit import SKIP, CostAwareBandit
+from .bandit import SKIP, WAIT, Backoff, CostAwareBandit
 from .signal import SignalBuffer, SignalSample, collect_signal
 from .update import FULL, HEAD_ONLY, train_candidate_head, update_whole_drafter
 
@@ -14,7 +14,9 @@ __all__ = [
     "FULL",
     "HEAD_ONLY",
     "SKIP",
+    "WAIT",
     "AdaptationReport",
+    "Backoff",
     "CostAwareBandit",
     "OnlineAdapter",
     "SignalBuffer",

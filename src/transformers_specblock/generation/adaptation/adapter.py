@@ -7,7 +7,8 @@ the snapshot taken before a whole-drafter update if this call's tau fell more th
 mean tau of the (2 to 4) calls before it), (2) runs the held-out check on this call's signal, which no update has
 trained on yet: the loaded output side comes back where it does better than the served one, and the candidate head
 of the last head-only update is served only once it has done better than the served head on two calls in a row,
-(3) picks this call's action from the policy, (4) runs it, timed. The update runs inside the `generate` call, so
+(3) picks this call's action from the policy (after updates thrown away in a row, a cost-aware policy backs off:
+`bandit.Backoff`), (4) runs it, timed. The update runs inside the `generate` call, so
 its time is part of the call's wall time.
 
 Head-only updates train a candidate head (from the loaded one, on the whole buffer), not the served one: one call's
@@ -37,7 +38,7 @@ from ...models.tree_drafter.serving_state import ServingState
 from ...utils import sync
 from ..candidate_generators.base import TreeCandidateGenerator
 from ..tree import DraftTree
-from .bandit import SKIP, CostAwareBandit
+from .bandit import SKIP, WAIT, Backoff, CostAwareBandit
 from .signal import SignalBuffer, SignalSample, collect_signal, target_to_draft_ids
 from .update import (
     FULL,
@@ -66,7 +67,8 @@ FIXED_ACTION = {"always": FULL, "head_only": HEAD_ONLY}
 class AdaptationReport:
     """What online adaptation did in one `generate` call (copied into `drafter.last_stats`)."""
 
-    action: str = "off"  # "skip", "head_only" or "full" (after this call's tokens); "off" when disabled
+    action: str = "off"  # "skip", "head_only" or "full" (after this call's tokens); "wait" while backing off
+    # after updates thrown away (no signal captured); "off" when disabled
     update_time_s: float = 0.0  # the update and the held-out check before it
     signal: int = 0  # samples captured in this call
     signal_wrong: int = 0  # of which the drafter's best proposal was wrong
@@ -98,6 +100,8 @@ class OnlineAdapter:
         self.drafter = drafter
         self.buffer = SignalBuffer(drafter.generation_config.adaptation_buffer_size)
         self.bandits: dict[str, CostAwareBandit] = {}
+        self.backoff = Backoff()
+        self.capturing = True  # whether this call captures the signal (`start_call`)
         self.body_version = 0
         self.full_updates = 0  # whole-drafter updates run (none: the body is the loaded one)
         self.pending: _Pending | None = None
@@ -119,11 +123,18 @@ class OnlineAdapter:
 
     # ---------------------------------------------------------------------------------------------------------
     def start_call(self, generators: list[TreeCandidateGenerator]) -> None:
-        """Ask the generators (one per row) to keep what the signal needs; settings may have changed since the
-        last call."""
+        """Ask the generators (one per row) to keep what the signal needs, unless this call needs no signal (backing
+        off, nothing adapted to check); settings may have changed since the last call."""
         config = self.drafter.generation_config
+        adapted = self.drafter.serving_states.loaded_weights is not None and (
+            self.full_updates > 0 or self._head_versions() != self.loaded_head
+        )
+        # an update may run after this call: the policy asked now (the bandit's choice may still change once this
+        # call is scored; an update then trains on the buffer alone); a candidate to test or adapted weights to check
+        may_update = self.backoff.wait == 0 and (not self.buffer or self.choose_action() != SKIP)
+        self.capturing = may_update or self.candidate is not None or adapted
         for generator in generators:
-            generator.keep_producers = True
+            generator.keep_producers = self.capturing
             generator.context_size = config.adaptation_context
         self.buffer.resize(config.adaptation_buffer_size)
         if self.to_draft.device != self.drafter.d2t.device:
@@ -165,13 +176,16 @@ class OnlineAdapter:
         sync(self.drafter.device)
         # the held-out check and this call's signal collection are charged to the action like the update itself
         check_seconds = time.perf_counter() - start + self.capture_seconds
-        self._charge_thrown_away_updates()
+        if self._charge_thrown_away_updates():
+            self.backoff.update_thrown_away()
+        elif self.report.promoted or self.adapted_wins > 0:  # (the adapted weights won this call's check)
+            self.backoff.update_kept()
         self.recent_tau.append(tau)
-        action = self.choose_action()
+        action = WAIT if self.policy in POLICY_ARMS and self.backoff.waiting() else self.choose_action()
         if action == HEAD_ONLY and self.candidate is not None:  # one has won and is tested again on the next call:
             action = SKIP  # a new candidate would replace it
         snapshot, seconds = None, check_seconds
-        if action != SKIP:
+        if action not in (SKIP, WAIT):
             if self.drafter.serving_states.loaded_weights is None:  # (the first update: the head is the loaded one)
                 self.drafter.remember_loaded_weights()
                 self.loaded_head = self._head_versions()
@@ -225,11 +239,12 @@ class OnlineAdapter:
         self.candidate, self.candidate_wins = {"lm_head.weight": weight}, 0
         return loss
 
-    def _charge_thrown_away_updates(self) -> None:
-        """Tell the bandit which update's weights the held-out check threw away (a rollback has charged its own)."""
+    def _charge_thrown_away_updates(self) -> bool:
+        """Tell the bandit which update's weights the held-out check threw away (a rollback has charged its own);
+        whether any update was thrown away this call."""
         bandit = self.bandits.get(self.policy)
         if bandit is None:
-            return
+            return False
         thrown_away = set()
         if self.report.restored_loaded and not self.report.rolled_back and self.last_update in bandit.arms:
             thrown_away.add(self.last_update)
@@ -237,11 +252,12 @@ class OnlineAdapter:
             thrown_away.add(HEAD_ONLY)
         for arm in thrown_away & set(bandit.arms):
             bandit.reject(arm, self.last_update_share)
+        return bool(thrown_away) or self.report.rolled_back
 
     def _score_pending(self, new_tokens: int, decode_seconds: float, tau: float) -> None:
         pending, self.pending = self.pending, None
         bandit = self.bandits.get(self.policy)
-        if pending.action != SKIP:
+        if pending.action not in (SKIP, WAIT):
             self.last_update_share = pending.update_seconds / max(decode_seconds + pending.update_seconds, 1e-9)
         if bandit is not None and pending.action in bandit.arms:
             bandit.record(pending.action, new_tokens, decode_seconds, pending.update_seconds)
@@ -272,7 +288,7 @@ class OnlineAdapter:
         loaded = self.drafter.serving_states.loaded_weights
         # depth 1 only: a tree's deeper samples exist because of what the current head got right, and its last one
         # mostly because it got it wrong, which would bias the comparison; depth 1 is there every step
-        fresh = [s for s in self.fresh if s.body_version == self.body_version and s.depth == 1]
+        fresh = [s for s in self._decisive() if s.depth == 1]
         wins, self.adapted_wins = self.adapted_wins, 0
         if loaded is None or not fresh or self._head_versions() == self.loaded_head:  # (the loaded head is served)
             return
@@ -309,7 +325,7 @@ class OnlineAdapter:
         HumanEval problems (48-token calls, fixed budget 16) what a candidate wins on one problem does not carry to
         the next: served after one won call, candidates cost 1.5% of tau (docs/design.md)."""
         candidate, self.candidate = self.candidate, None
-        fresh = [s for s in self.fresh if s.body_version == self.body_version]
+        fresh = self._decisive()
         if candidate is None or not fresh:
             self.candidate_wins = 0
             return
@@ -330,7 +346,7 @@ class OnlineAdapter:
         """The same check for a drafter whose body changed: both drafters replay this call's depth-1 contexts (the
         root's own output), and the loaded weights come back, all of them, where they would have done better.
         Returns the gains (None: nothing to replay)."""
-        replayable = [s for s in self.fresh if s.depth == 1 and s.slot >= 0]
+        replayable = [s for s in self.fresh if s.depth == 1 and s.slot >= 0 and not s.covered]
         if not replayable:
             return None
         current = draft_logits(self.drafter, replay_states(self.drafter, replayable))
@@ -346,6 +362,13 @@ class OnlineAdapter:
         self.loaded_head = self._head_versions()
         self.report.restored_loaded = True
         return gains
+
+    def _decisive(self) -> list[SignalSample]:
+        """This call's samples from the current body at positions the drafter's proposal decided: not those where a
+        free candidate had proposed the committed token (a better head changes nothing there). On a HumanEval stream
+        most accepted tokens come from the free candidates, and a candidate head that won on every position lost tau
+        once served (3.602 against 3.608; docs/design.md)."""
+        return [s for s in self.fresh if s.body_version == self.body_version and not s.covered]
 
     def _head_versions(self) -> tuple[int, ...]:
         """Identity and in-place version of each head weight: equal to `loaded_head` while the loaded head is served."""

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from ..candidate_generators.base import TreeCandidateGenerator
-from ..tree import DraftTree
+from ..tree import SOURCE_BITS, DraftTree
 
 Context = tuple[torch.Tensor, torch.LongTensor, torch.LongTensor]  # features [C, 3H], tokens [C], positions [C]
 
@@ -31,6 +31,8 @@ class SignalSample:
     depth: int = 1  # depth of the position in its tree (1: right after the root, whatever was accepted)
     slot: int = -1  # the root position's output slot a replay of `context` reproduces (-1: not replayable)
     context: Context | None = None  # committed positions ending at the root's drafter position
+    covered: bool = False  # a free candidate source had proposed the committed token here (it was accepted whatever
+    # the drafter proposed): a better head would not have changed this position
 
 
 class SignalBuffer:
@@ -102,6 +104,8 @@ def collect_signal(
     probs, ids = rows.softmax(-1).topk(min(top_k, rows.shape[-1]), dim=-1)
     context = generator.context
     replayable = context is not None and int(context[1][-1]) == int(drafted.tokens[0])  # ends at the root
+    free = ~SOURCE_BITS["drafter"]
+    covered = [bool(bits & free) for bits in verified.sources[path.to(verified.sources.device)].tolist()]
 
     samples: list[SignalSample] = []
     node = 0
@@ -122,6 +126,7 @@ def collect_signal(
                 depth=depth + 1,
                 slot=slot,
                 context=context if slot >= 0 else None,
+                covered=depth < len(covered) and covered[depth],
             )
         )
         same = kids[drafted.tokens[kids] == token]
