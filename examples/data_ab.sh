@@ -10,6 +10,7 @@
 #   sharegpt     on ShareGPT's own answers (train split)
 #   head-start   sharegpt, its decoder layers started from the target's top layers (--init_decoder_from_target)
 #   one-layer    sharegpt, one decoder layer instead of two (--drafter_num_layers 1)
+#   lr-RATE      sharegpt at peak learning rate RATE instead of 7e-4 (lr-3e-4, lr-2e-3)
 # Each trains for about TOKENS training tokens (its step count from its data's mean conversation length), evaluating
 # every 25 steps (a twentieth of the run when that is longer) on the ShareGPT held-out split, and resumes where it
 # stopped. Compare the curves against tokens:
@@ -32,8 +33,11 @@ for ARM in ${ARMS//,/ }; do
     sharegpt) DATA=sharegpt EXTRA=() ;;
     head-start) DATA=sharegpt EXTRA=(--init_decoder_from_target) ;;
     one-layer) DATA=sharegpt EXTRA=(--drafter_num_layers 1) ;;
-    *) echo "unknown arm $ARM (regenerated, sharegpt, head-start, one-layer)" >&2; exit 2 ;;
+    lr-*) DATA=sharegpt EXTRA=() ;;
+    *) echo "unknown arm $ARM (regenerated, sharegpt, head-start, one-layer, lr-RATE)" >&2; exit 2 ;;
   esac
+  LEARNING_RATE=7e-4
+  [[ $ARM == lr-* ]] && LEARNING_RATE=${ARM#lr-}
   if [ ! -f "$ROOT/data-$DATA/train.jsonl" ]; then
     case $DATA in
       regenerated) SOURCES=(--no_sharegpt_answers) ;;
@@ -45,7 +49,7 @@ for ARM in ${ARMS//,/ }; do
 print(round(int(sys.argv[2]) / (2 * t['tokens'] / t['conversations'])))" "$ROOT/data-$DATA/stats.json" "$TOKENS")
   nice -n "$NICE" "$PYTHON" -m transformers_specblock.train --target_model smollm2-135m-instruct \
     --dataset "$ROOT/data-$DATA/train.jsonl" --eval_dataset sharegpt-heldout --eval_samples 64 --draft_vocab_size 8192 \
-    --max_length 512 --per_device_train_batch_size 2 --learning_rate 7e-4 --lr_scheduler_type cosine \
+    --max_length 512 --per_device_train_batch_size 2 --learning_rate "$LEARNING_RATE" --lr_scheduler_type cosine \
     --warmup_steps $((STEPS / 10)) --max_steps "$STEPS" --save_steps 10 --save_total_limit 2 --logging_steps 5 \
     --eval_strategy steps --eval_steps $((STEPS / 20 > 25 ? STEPS / 20 : 25)) --save_dtype bfloat16 \
     --features online --dtype bfloat16 --bf16 \

@@ -547,6 +547,21 @@ def _held_out_call(drafter, rows: list[tuple[torch.Tensor, list[int], list[float
     return adapter
 
 
+def _drafter_and_better_head():
+    """A target, a bandit drafter after one call, its served head, a state, the served head's first proposal there
+    (`top`) and a head whose first proposal there is another token (`best`)."""
+    target = make_target("llama", vocab_size=VOCAB, seed=1)
+    drafter = _drafter("specblock", target, online_adaptation="bandit")
+    _serve(target, drafter, calls=1)
+    served = drafter.lm_head.weight.detach().clone()
+    state = torch.randn(drafter.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    (top,) = _top(drafter, served, state[None])
+    best = next(t for t in range(served.shape[0]) if t != top)
+    good = served.clone()
+    good[best] = served[top] + drafter.norm(state[None])[0].detach()
+    return target, drafter, served, state, top, best, good  # (the drafter holds its target weakly)
+
+
 @torch.no_grad()
 def _top(drafter, weight: torch.Tensor, states: torch.Tensor) -> list[int]:
     return torch.nn.functional.linear(drafter.norm(states), weight).argmax(-1).tolist()
@@ -556,12 +571,7 @@ def test_a_candidate_that_only_lifts_the_targets_second_choice_is_not_served():
     """Greedy decoding accepts the target's own top token only: a candidate head whose first proposal is the
     target's second choice where the served head's is its third gains first-proposal acceptance and nothing
     greedy decoding would accept; it is not served. One proposing the target's top token is."""
-    target = make_target("llama", vocab_size=VOCAB, seed=1)
-    drafter = _drafter("specblock", target, online_adaptation="bandit")
-    _serve(target, drafter, calls=1)
-    served = drafter.lm_head.weight.detach().clone()
-    state = torch.randn(drafter.config.hidden_size, generator=torch.Generator().manual_seed(0))
-    (third,) = _top(drafter, served, state[None])
+    target, drafter, served, state, third, _, _ = _drafter_and_better_head()
     second, first = [t for t in range(served.shape[0]) if t != third][:2]
     normed = drafter.norm(state[None])[0].detach()
     candidate = served.clone()
@@ -583,16 +593,8 @@ def test_a_candidate_is_served_only_after_winning_on_calls_in_a_row():
     """What a candidate head wins on one prompt may not carry to the next: it is served only after winning on
     `PROMOTION_CALLS` held-out calls in a row; in between no head-only update replaces it, and a loss drops it and
     charges its arm."""
-    target = make_target("llama", vocab_size=VOCAB, seed=1)
-    drafter = _drafter("specblock", target, online_adaptation="bandit")
-    _serve(target, drafter, calls=1)  # a head-only update: a candidate
+    target, drafter, served, state, top, best, good = _drafter_and_better_head()  # (after a call: a candidate)
     adapter = online_adapter_for(drafter)
-    served = drafter.lm_head.weight.detach().clone()
-    state = torch.randn(drafter.config.hidden_size, generator=torch.Generator().manual_seed(0))
-    (top,) = _top(drafter, served, state[None])
-    best = next(t for t in range(served.shape[0]) if t != top)
-    good = served.clone()
-    good[best] = served[top] + drafter.norm(state[None])[0].detach()  # proposes the target's top token
     won, lost = [(state, [best, top], [0.7, 0.3])] * 4, [(state, [top, best], [0.7, 0.3])] * 4
     for rows in (won, lost):  # a win, then a loss: dropped, charged like a thrown-away update
         adapter = _held_out_call(drafter, rows)
@@ -620,15 +622,7 @@ def test_a_candidate_is_served_only_after_winning_on_calls_in_a_row():
 
 
 def test_a_candidate_that_wins_only_where_free_candidates_decided_is_not_served():
-    target = make_target("llama", vocab_size=VOCAB, seed=1)
-    drafter = _drafter("specblock", target, online_adaptation="bandit")
-    _serve(target, drafter, calls=1)
-    served = drafter.lm_head.weight.detach().clone()
-    state = torch.randn(drafter.config.hidden_size, generator=torch.Generator().manual_seed(0))
-    (top,) = _top(drafter, served, state[None])
-    best = next(t for t in range(served.shape[0]) if t != top)
-    good = served.clone()
-    good[best] = served[top] + drafter.norm(state[None])[0].detach()  # proposes the target's top token
+    target, drafter, served, state, top, best, good = _drafter_and_better_head()
     for covered in (True, False):
         adapter = _held_out_call(drafter, [(state, [best, top], [0.7, 0.3])] * 4)
         for sample in adapter.fresh:
