@@ -630,6 +630,8 @@ def test_a_candidate_that_wins_only_where_free_candidates_decided_is_not_served(
         adapter.candidate, adapter.candidate_wins = {"lm_head.weight": good}, adapter_module.PROMOTION_CALLS - 1
         adapter._try_candidate()
         assert adapter.report.promoted == (not covered)
+        if covered:  # no verdict on this call: neither served nor dropped, tested again on the next
+            assert adapter.candidate["lm_head.weight"] is good and math.isnan(adapter.report.candidate_gain)
         drafter.lm_head.weight.data.copy_(served)
 
 

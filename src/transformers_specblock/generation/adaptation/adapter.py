@@ -318,7 +318,8 @@ class OnlineAdapter:
         in first-proposal acceptance and in greedy agreement: the deeper states favour the served head (they exist
         where it was right), which makes the test conservative. A candidate that loses is dropped (the next head-only
         update trains a new one from the loaded head on the buffer, this call's states included); one that won but
-        not yet often enough is kept for the next call's test. Measured (SpecBlock, 128-token calls, shift stream):
+        not yet often enough, or one without a verdict (no position the drafter decided, `_decisive`), is kept for
+        the next call's test. Measured (SpecBlock, 128-token calls, shift stream):
         served on any gain, candidates that won on one call lost tau on the next (up to 15%); with the margin, tau is
         that of "off" or above. Greedy agreement too, because acceptance alone credits a candidate that only moves a
         second choice of the target up, which greedy decoding never accepts; two calls, because on a stream of
@@ -326,8 +327,11 @@ class OnlineAdapter:
         the next: served after one won call, candidates cost 1.5% of tau (docs/design.md)."""
         candidate, self.candidate = self.candidate, None
         fresh = self._decisive()
-        if candidate is None or not fresh:
+        if candidate is None:
             self.candidate_wins = 0
+            return
+        if not fresh:  # the drafter decided no position on this call: no verdict, tested again on the next
+            self.candidate = candidate
             return
         normed = self.drafter.norm(torch.stack([s.state for s in fresh]).to(self.drafter.device, self.drafter.dtype))
         gains = _gains(F.linear(normed, candidate["lm_head.weight"]), self.drafter.lm_head(normed), fresh)
