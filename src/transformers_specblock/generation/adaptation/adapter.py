@@ -1,24 +1,19 @@
 """Online adaptation of a tree drafter while it serves: the per-drafter state that ties the signal, the update and
 the policy together, and what the decoding loop calls (`start_call`, `capture`, `finish_call`).
 
-Per `generate` call: the loop captures the signal after every verification (`signal.collect_signal`); after the
-last token `finish_call` (1) scores the action taken after the previous call (the bandit's reward; a rollback to
+Per `generate` call: the loop captures the signal after every verification (`signal.collect_signal`) where an
+update may follow or a check needs it; after the last token `finish_call` (1) scores the action taken after the previous call (the bandit's reward; a rollback to
 the snapshot taken before a whole-drafter update if this call's tau fell more than `ROLLBACK_TOLERANCE` below the
 mean tau of the (2 to 4) calls before it), (2) runs the held-out check on this call's signal, which no update has
 trained on yet: the loaded output side comes back where it does better than the served one, and the candidate head
 of the last head-only update is served only once it has done better than the served head on two calls in a row,
 (3) picks this call's action from the policy (after updates thrown away in a row, a cost-aware policy backs off:
-`bandit.Backoff`), (4) runs it, timed. The update runs inside the `generate` call, so
-its time is part of the call's wall time.
+`bandit.Backoff`), (4) runs it, timed, inside the `generate` call (its time is part of the call's).
 
-Head-only updates train a candidate head (from the loaded one, on the whole buffer), not the served one: one call's
-update often did not carry over to the next prompt (128-token calls: served at once, head-only updates lowered tau
-below "off", docs/design.md), and a candidate that has to beat the served head on a call it has not seen costs no
-tau where it would not have helped.
-The bandit's reward for a head-only update is still the next call's measured throughput (the served head's, so a
-useful candidate pays from the call after, and repeated head-only pulls carry it); a dropped candidate is charged as
-thrown away. A whole-drafter update is served at once (a candidate copy of the whole drafter would double its
-memory), guarded by the tau rollback and the held-out check.
+Head-only updates train a candidate head (from the loaded one, on the whole buffer), served only once it has beaten
+the served head on calls it has not trained on; the bandit's reward for them is the next call's measured throughput,
+and a dropped candidate is charged as thrown away. A whole-drafter update is served at once (a candidate copy would
+double the drafter's memory), guarded by the tau rollback and the held-out check. Why: docs/design.md.
 """
 
 from __future__ import annotations
@@ -314,17 +309,10 @@ class OnlineAdapter:
     @torch.no_grad()
     def _try_candidate(self) -> None:
         """Serve the last head-only update's candidate head once it has beaten the served head by `PROMOTION_GAIN`
-        on `PROMOTION_CALLS` calls in a row, on each call's states (which it has not trained on), every depth, both
-        in first-proposal acceptance and in greedy agreement: the deeper states favour the served head (they exist
-        where it was right), which makes the test conservative. A candidate that loses is dropped (the next head-only
-        update trains a new one from the loaded head on the buffer, this call's states included); one that won but
-        not yet often enough, or one without a verdict (no position the drafter decided, `_decisive`), is kept for
-        the next call's test. Measured (SpecBlock, 128-token calls, shift stream):
-        served on any gain, candidates that won on one call lost tau on the next (up to 15%); with the margin, tau is
-        that of "off" or above. Greedy agreement too, because acceptance alone credits a candidate that only moves a
-        second choice of the target up, which greedy decoding never accepts; two calls, because on a stream of
-        HumanEval problems (48-token calls, fixed budget 16) what a candidate wins on one problem does not carry to
-        the next: served after one won call, candidates cost 1.5% of tau (docs/design.md)."""
+        on `PROMOTION_CALLS` calls in a row, on each call's decided positions (`_decisive`, which it has not trained
+        on), in first-proposal acceptance and in greedy agreement. A candidate that loses is dropped (the next update
+        trains a new one); one that won not yet often enough, or got no verdict, is kept for the next call's test.
+        Why each condition (the measurements): docs/design.md, "Candidate head"."""
         candidate, self.candidate = self.candidate, None
         fresh = self._decisive()
         if candidate is None:
@@ -368,10 +356,8 @@ class OnlineAdapter:
         return gains
 
     def _decisive(self) -> list[SignalSample]:
-        """This call's samples from the current body at positions the drafter's proposal decided: not those where a
-        free candidate had proposed the committed token (a better head changes nothing there). On a HumanEval stream
-        most accepted tokens come from the free candidates, and a candidate head that won on every position lost tau
-        once served (3.602 against 3.608; docs/design.md)."""
+        """This call's samples from the current body at positions the drafter's proposal decided: not where a free
+        candidate had proposed the committed token (a better head changes nothing there; docs/design.md)."""
         return [s for s in self.fresh if s.body_version == self.body_version and not s.covered]
 
     def _head_versions(self) -> tuple[int, ...]:
