@@ -173,10 +173,11 @@ def test_signal_marks_positions_a_free_candidate_had_proposed():
     verified = DraftTree(tree.tokens.clone(), tree.parents.clone(), tree.depths.clone(), tree.scores.clone())
     verified.sources[1] |= SOURCE_BITS["prompt_lookup"]  # 5 also came from prompt lookup; 4 only from the drafter
     logits = torch.randn(len(tree), 12)
-    samples = collect_signal(generator, verified, torch.tensor([1, 4]), torch.tensor([11]), logits, torch.arange(12), 3, 0)
+    path, to_draft = torch.tensor([1, 4]), torch.arange(12)
+    samples = collect_signal(generator, verified, path, torch.tensor([11]), logits, to_draft, 3, 0)
     assert [s.covered for s in samples] == [True, False]
-    (bonus,) = collect_signal(generator, verified, torch.tensor([], dtype=torch.long), torch.tensor([5]), logits,
-                              torch.arange(12), 3, 0)  # fmt: skip
+    nothing = torch.tensor([], dtype=torch.long)
+    (bonus,) = collect_signal(generator, verified, nothing, torch.tensor([5]), logits, to_draft, 3, 0)
     assert not bonus.covered  # (rejected: whatever proposed it was not in the verified tree)
 
 

@@ -1,14 +1,15 @@
 """Online adaptation of a tree drafter while it serves: the per-drafter state that ties the signal, the update and
 the policy together, and what the decoding loop calls (`start_call`, `capture`, `finish_call`).
 
-Per `generate` call: the loop captures the signal after every verification (`signal.collect_signal`) where an
-update may follow or a check needs it; after the last token `finish_call` (1) scores the action taken after the
-previous call (the bandit's reward; a rollback to the snapshot taken before a whole-drafter update if this call's tau
-fell more than `ROLLBACK_TOLERANCE` below the mean tau of the (2 to 4) calls before it), (2) runs the held-out check on this call's signal, which no update has
-trained on yet: the loaded output side comes back where it does better than the served one, and the candidate head
-of the last head-only update is served only once it has done better than the served head on two calls in a row,
-(3) picks this call's action from the policy (after updates thrown away in a row, a cost-aware policy backs off:
-`bandit.Backoff`), (4) runs it, timed, inside the `generate` call (its time is part of the call's).
+Per `generate` call: the loop captures the signal after every verification (`signal.collect_signal`) where an update
+may follow or a check needs it; after the last token `finish_call` (1) scores the action taken after the previous
+call (the bandit's reward; a rollback to the snapshot taken before a whole-drafter update if this call's tau fell
+more than `ROLLBACK_TOLERANCE` below the mean tau of the (2 to 4) calls before it), (2) runs the held-out check on
+this call's signal, which no update has trained on yet: the loaded output side comes back where it does better than
+the served one, and the candidate head of the last head-only update is served only once it has done better than the
+served head on two calls in a row, (3) picks this call's action from the policy (after updates thrown away in a row,
+a cost-aware policy backs off: `bandit.Backoff`), (4) runs it, timed, inside the `generate` call (its time is part
+of the call's).
 
 Head-only updates train a candidate head (from the loaded one, on the whole buffer), served only once it has beaten
 the served head on calls it has not trained on; the bandit's reward for them is the next call's measured throughput,
