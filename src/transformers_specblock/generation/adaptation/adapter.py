@@ -117,10 +117,8 @@ class OnlineAdapter:
     def policy(self) -> str:
         return self.drafter.generation_config.online_adaptation
 
-    # ---------------------------------------------------------------------------------------------------------
     def start_call(self, generators: list[TreeCandidateGenerator]) -> None:
-        """Ask the generators (one per row) to keep what the signal needs, unless this call needs no signal (backing
-        off, nothing adapted to check); settings may have changed since the last call."""
+        """Ask the generators (one per row) to keep what the signal needs where this call needs a signal at all."""
         config = self.drafter.generation_config
         adapted = self.drafter.serving_states.loaded_weights is not None and (
             self.full_updates > 0 or self._head_versions() != self.loaded_head
@@ -215,7 +213,6 @@ class OnlineAdapter:
         # on held-out ShareGPT, where whole-drafter explorations cost tau
         return self.bandits[self.policy].choose(escalate=self.adapted_wins >= ESCALATION_CALLS)
 
-    # ---------------------------------------------------------------------------------------------------------
     def _update_whole_drafter(self) -> float | None:
         return update_whole_drafter(
             self.drafter, self.buffer, self.body_version, self.drafter.generation_config.adaptation_learning_rate
