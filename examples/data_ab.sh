@@ -11,8 +11,11 @@
 #   head-start   sharegpt, its decoder layers started from the target's top layers (--init_decoder_from_target)
 #   one-layer    sharegpt, one decoder layer instead of two (--drafter_num_layers 1)
 #   lr-RATE      sharegpt at peak learning rate RATE instead of 7e-4 (lr-3e-4, lr-2e-3)
-# Each trains for about TOKENS training tokens (its step count from its data's mean conversation length), evaluating
-# every 25 steps (a twentieth of the run when that is longer) on the ShareGPT held-out split, and resumes where it
+#   batch-N      sharegpt, N conversations per step instead of 2 (fewer steps for the same tokens)
+#   k-N          sharegpt, blocks of N slots instead of 4 (--block_size N)
+#   blocks-N     sharegpt, N blocks per training step instead of 2 (--num_blocks N; the reference trains 3)
+# Each trains for about TOKENS training tokens (its step count from its data's mean conversation length and its batch),
+# evaluating every 25 steps (a twentieth of the run when that is longer) on the ShareGPT held-out split, and resumes where it
 # stopped. Compare the curves against tokens:
 #   python examples/plot_learning_curves.py ROOT/regenerated ROOT/sharegpt --x tokens
 # then tau on MT-Bench / HumanEval with examples/evaluate_drafter.py. The arms run side by side, one thread each,
@@ -33,11 +36,17 @@ for ARM in ${ARMS//,/ }; do
     sharegpt) DATA=sharegpt EXTRA=() ;;
     head-start) DATA=sharegpt EXTRA=(--init_decoder_from_target) ;;
     one-layer) DATA=sharegpt EXTRA=(--drafter_num_layers 1) ;;
-    lr-*) DATA=sharegpt EXTRA=() ;;
-    *) echo "unknown arm $ARM (regenerated, sharegpt, head-start, one-layer, lr-RATE)" >&2; exit 2 ;;
+    lr-* | batch-* | k-* | blocks-*) DATA=sharegpt EXTRA=() ;;
+    *) echo "unknown arm $ARM (regenerated, sharegpt, head-start, one-layer, lr-RATE, batch-N, k-N, blocks-N)" >&2
+       exit 2 ;;
   esac
-  LEARNING_RATE=7e-4
-  [[ $ARM == lr-* ]] && LEARNING_RATE=${ARM#lr-}
+  LEARNING_RATE=7e-4 BATCH=2 BLOCK_SIZE=4 NUM_BLOCKS=2
+  case $ARM in
+    lr-*) LEARNING_RATE=${ARM#lr-} ;;
+    batch-*) BATCH=${ARM#batch-} ;;
+    k-*) BLOCK_SIZE=${ARM#k-} ;;
+    blocks-*) NUM_BLOCKS=${ARM#blocks-} ;;
+  esac
   if [ ! -f "$ROOT/data-$DATA/train.jsonl" ]; then
     case $DATA in
       regenerated) SOURCES=(--no_sharegpt_answers) ;;
@@ -46,14 +55,15 @@ for ARM in ${ARMS//,/ }; do
     nice -n "$NICE" "$PYTHON" "$REPO/examples/campaign_data.py" --output_dir "$ROOT/data-$DATA" "${SOURCES[@]}"
   fi
   STEPS=$("$PYTHON" -c "import json, sys; t = json.load(open(sys.argv[1]))['total']; \
-print(round(int(sys.argv[2]) / (2 * t['tokens'] / t['conversations'])))" "$ROOT/data-$DATA/stats.json" "$TOKENS")
+print(round(int(sys.argv[2]) / (int(sys.argv[3]) * t['tokens'] / t['conversations'])))" \
+    "$ROOT/data-$DATA/stats.json" "$TOKENS" "$BATCH")
   nice -n "$NICE" "$PYTHON" -m transformers_specblock.train --target_model smollm2-135m-instruct \
     --dataset "$ROOT/data-$DATA/train.jsonl" --eval_dataset sharegpt-heldout --eval_samples 64 --draft_vocab_size 8192 \
-    --max_length 512 --per_device_train_batch_size 2 --learning_rate "$LEARNING_RATE" --lr_scheduler_type cosine \
+    --max_length 512 --per_device_train_batch_size "$BATCH" --learning_rate "$LEARNING_RATE" --lr_scheduler_type cosine \
     --warmup_steps $((STEPS / 10)) --max_steps "$STEPS" --save_steps 10 --save_total_limit 2 --logging_steps 5 \
     --eval_strategy steps --eval_steps $((STEPS / 20 > 25 ? STEPS / 20 : 25)) --save_dtype bfloat16 \
     --features online --dtype bfloat16 --bf16 \
-    --seed 0 --report_to none --dataloader_num_workers 0 --use_cpu --block_size 4 --num_blocks 2 \
+    --seed 0 --report_to none --dataloader_num_workers 0 --use_cpu --block_size "$BLOCK_SIZE" --num_blocks "$NUM_BLOCKS" \
     --slot_normalization slot0 --fusion_identity_init "${EXTRA[@]}" --resume_from_checkpoint last \
     --output_dir "$ROOT/$ARM" > "$ROOT/$ARM.log" 2>&1 &
 done
