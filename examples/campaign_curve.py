@@ -10,7 +10,8 @@ time: what a run spent on a shared machine), the learning rate of the last train
 and the estimated greedy-chain length, plus the run and the host it ran on. Lines already in the file (same run and
 step) are not written again. ``--weights`` also copies the newest checkpoint's drafter, in bfloat16, to
 ``docs/results/campaign/DRAFTER/`` with ``campaign.json`` (its campaign step and tokens): what ``campaign.sh``
-continues from when no checkpoint survives.
+continues from when no checkpoint survives. Its config and model card record the campaign up to that step, with the
+drafter it started from nested (``training.records.checkpoint_training_info``).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from transformers_specblock.training.records import checkpoint_training_info, record_training_info
 from transformers_specblock.training.run import DRAFTERS, save_drafter
 from transformers_specblock.training.trainer import SESSION_KEY, last_complete_checkpoint
 
@@ -95,7 +97,9 @@ def main() -> None:
     if options.weights and newest is not None:
         where, step, tokens = newest
         target = RESULTS / options.drafter
-        save_drafter(DRAFTERS[options.drafter][1].from_pretrained(where), target, torch.bfloat16)
+        drafter = DRAFTERS[options.drafter][1].from_pretrained(where)
+        record_training_info(drafter, checkpoint_training_info(where))  # its card: the campaign up to this step
+        save_drafter(drafter, target, torch.bfloat16)
         info = {"campaign_steps": step, "campaign_tokens": tokens, "from": str(where)}
         tmp = target / "campaign.json.tmp"
         tmp.write_text(json.dumps(info) + "\n")

@@ -21,6 +21,7 @@ from transformers_specblock.commands.cli import train_main
 from transformers_specblock.hub import provenance
 from transformers_specblock.hub.provenance import describe_device, describe_hardware, resolve_base_model_id
 from transformers_specblock.training.data import REGENERATED_KEY, describe_training_data, regeneration_record
+from transformers_specblock.training.records import checkpoint_training_info, parse_train_command
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -75,6 +76,31 @@ def test_time_up_to_a_checkpoint_counts_after_a_resume(ws):
     assert total >= before[-1]
     info = json.loads((out / "config.json").read_text())["training_info"]
     assert info["train_time_minutes"] == round(total / 60, 1) and info["train_steps"] == 2
+
+
+def test_a_continued_drafter_keeps_what_it_saw_before_and_drops_the_old_evaluation(ws):
+    """A run from --init_drafter nests the record of the drafter it started from (the card shows both runs, the
+    tokens add up), drops the evaluation rows that measured the old weights, and a checkpoint of the run yields the
+    record the finished run writes (what a drafter published while its run goes on carries)."""
+    first = ws["root"] / "first"
+    train(ws, first)
+    config = json.loads((first / "config.json").read_text())
+    config["eval_results"] = [{"dataset": "mt_bench", "tau": 9.99}]  # as if measured
+    (first / "config.json").write_text(json.dumps(config))
+    out = ws["root"] / "continued"
+    card, config = train(ws, out, "--init_drafter", str(first), "--save_strategy", "steps", "--save_steps", "1")
+    info, earlier = config["training_info"], config["training_info"]["started_from"]
+    assert earlier["drafter"] == str(first) and earlier["train_steps"] == 1 and "started_from" not in earlier
+    assert info["total_train_tokens"] == info["train_tokens"] + earlier["train_tokens"] > info["train_tokens"]
+    assert info["train_cpu_minutes"] >= 0 and not config["eval_results"]
+    assert f"- started from the drafter `{first}`, trained before as follows:" in card.text
+    assert card.text.count(f"--output_dir {first}") == 1  # the earlier run's command, once
+    assert "9.99" not in card.text and "_No evaluation recorded yet._" in card.text
+    from_checkpoint = checkpoint_training_info(out / "checkpoint-1")
+    for key in ("command", "data", "hardware", "train_tokens", "train_steps", "total_train_tokens", "started_from"):
+        assert from_checkpoint[key] == info[key], key
+    model_args, data_args, _ = parse_train_command(from_checkpoint["command"])
+    assert model_args.init_drafter == str(first) and data_args.dataset == ws["data"]
 
 
 def test_no_license_field_without_the_argument(ws):

@@ -33,7 +33,7 @@ from pathlib import Path
 from transformers_specblock.commands.card import card_for_folder
 from transformers_specblock.commands.cli import parse_train_args
 from transformers_specblock.hub.loading import resolve_dtype
-from transformers_specblock.training.run import record_training_info, training_info
+from transformers_specblock.training.records import record_training_info, training_info
 
 MACHINE = "AMD EPYC (x86-64), 2 cores"  # docs/benchmarks.md "2 cores of an AMD EPYC (x86-64) ... no GPU"
 SESSION_NOTE = re.compile(

@@ -114,12 +114,14 @@ output stays exactly the target's own (greedy) or its distribution (sampling).
 
 TREE_SETTINGS = ("block_size", "max_blocks", "tree_top_k", "tree_depth", "ttt_steps")
 TRAINING_ORDER = ("command", "sessions", "hardware", "data", "self_distilled", "datasets", "license", "train_steps",
-                  "train_tokens", "train_time_minutes", "backfilled")  # fmt: skip
+                  "train_tokens", "total_train_tokens", "train_time_minutes", "train_cpu_minutes", "backfilled",
+                  "started_from")  # fmt: skip
 
 
 def _training_section(training: dict[str, Any]) -> str:
     """The run's record in a fixed order (`TRAINING_ORDER`, then other keys sorted: a saved config sorts its keys);
-    commands as shell blocks, one per session after a resume."""
+    commands as shell blocks, one per session after a resume; the record of the drafter the run started from
+    (``started_from``) nested below, as its own section."""
     if not training:
         return "_Not trained (freshly initialised weights)._"
     lines = []
@@ -127,6 +129,11 @@ def _training_section(training: dict[str, Any]) -> str:
     for key, value in ((k, training[k]) for k in known + sorted(set(training) - set(known))):
         if key == "command" and "sessions" in training:
             continue  # each session shows its own command
+        if key == "started_from":
+            earlier = {k: v for k, v in value.items() if k != "drafter"}
+            lines.append(f"- started from the drafter `{value.get('drafter')}`, trained before as follows:")
+            lines.extend(f"  {line}" if line else line for line in _training_section(earlier).splitlines())
+            continue
         if key == "command":
             lines.append(f"- command:\n\n  ```bash\n  {value}\n  ```")
         elif key == "sessions":

@@ -66,15 +66,14 @@ from .losses import (
     target_ranks,
 )
 from .modeling import SpecBlockDraftModelForTraining, SpecBlockTrainingOutput
+from .records import checkpoint_training_info, parse_train_command, record_training_info, training_info
 from .run import (
     DRAFTERS,
     check_drafter_for_target,
     check_layer_ids,
     plot_learning_curve,
-    record_training_info,
     run_training,
     save_drafter,
-    training_info,
 )
 from .trainer import SpecBlockTrainer
 from .vocab import (
@@ -103,6 +102,7 @@ __all__ = [
     "block_terms",
     "build_draft_vocab",
     "check_drafter_for_target",
+    "checkpoint_training_info",
     "check_layer_ids",
     "default_draft_vocab_size",
     "draft_target_logits",
@@ -113,6 +113,7 @@ __all__ = [
     "load_conversations",
     "normalize_conversation",
     "ordinal_targets",
+    "parse_train_command",
     "plot_learning_curve",
     "precompute_features",
     "rank_head_loss",

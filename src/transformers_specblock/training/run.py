@@ -13,9 +13,9 @@ import torch
 from transformers import PreTrainedModel
 from transformers.utils import logging
 
-from ..hub.assets import PACKAGED_MODELS, explain_hub_errors
+from ..hub.assets import explain_hub_errors
 from ..hub.loading import load_model
-from ..hub.provenance import describe_hardware, resolve_base_model_id
+from ..hub.provenance import describe_hardware
 from ..models.dflash.configuration_dflash import DFlashConfig
 from ..models.dflash.modeling_dflash import DFlashDraftModel
 from ..models.eagle3.configuration_eagle3 import Eagle3Config
@@ -31,10 +31,11 @@ from .arguments import (
     SpecBlockTrainingArguments,
     _parse_layer_ids,
 )
-from .data import SpecBlockDataCollator, describe_training_data, load_conversations, tokenize_conversations
+from .data import SpecBlockDataCollator, load_conversations, tokenize_conversations
 from .dflash import DFlashDraftModelForTraining, DFlashTrainer, build_dflash_drafter
 from .features import PrecomputedFeatures, precompute_features
 from .modeling import SpecBlockDraftModelForTraining
+from .records import record_training_info, training_info
 from .trainer import SpecBlockTrainer, last_complete_checkpoint, session_records
 from .vocab import (
     build_draft_vocab,
@@ -178,56 +179,6 @@ def _build_drafter(
     return drafter.float()
 
 
-def training_info(
-    model_args: ModelArguments,
-    data_args: DataArguments,
-    metrics: dict[str, Any],
-    command: str,
-    sessions: list[dict[str, Any]] | None = None,
-    soft_labels: bool = True,
-) -> dict[str, Any]:
-    """What the model card reports about a training run (stored as ``config.training_info``; ``target`` and
-    ``base_model`` go to the config itself, see `record_training_info`), from the arguments, the data file's own
-    records and the ``sessions`` the trainer logged (each with the hardware detected when it started)."""
-    packaged = model_args.target_model in PACKAGED_MODELS
-    sessions = sessions or [{"command": command}]
-    # --license / --base_model_id given in an earlier session still count after a resume without them
-    license_id = next((s["license"] for s in reversed(sessions) if s.get("license")), model_args.license)
-    explicit_id = next((s["base_model_id"] for s in reversed(sessions) if s.get("base_model_id")), None)
-    base_model = resolve_base_model_id(model_args.target_model, model_args.base_model_id or explicit_id)
-    data = describe_training_data(
-        data_args.dataset, data_args.max_train_samples, data_args.max_length, model_args.target_model, base_model
-    )
-    labels = "the target's soft labels" if soft_labels else "the target's argmax as hard labels"
-    shown = [{k: v for k, v in s.items() if k in ("command", "steps", "hardware")} for s in sessions]
-    hardware = list(dict.fromkeys(s["hardware"] for s in sessions if s.get("hardware")))
-    info = {
-        "target": PACKAGED_MODELS[model_args.target_model].hub_id if packaged else model_args.target_model,
-        "base_model": base_model,
-        "command": sessions[-1].get("command", command),
-        "sessions": shown if len(shown) > 1 else None,
-        "hardware": " / ".join(hardware) or None,
-        "data": f"{data['data']}; trained on {labels}",
-        "self_distilled": data["self_distilled"],
-        "datasets": data["datasets"],
-        "license": license_id,
-        "train_tokens": metrics.get("train_tokens"),
-        "train_steps": metrics.get("train_steps"),
-        "train_time_minutes": round(metrics.get("train_seconds", 0.0) / 60, 1),
-    }
-    return {k: v for k, v in info.items() if v is not None}
-
-
-def record_training_info(drafter: SpecBlockDraftModel, info: dict[str, Any]) -> None:
-    """Attach a run's record to the drafter config (the generated model card reads it): ``target`` (as given, or
-    the packaged model's Hub id) -> ``config.target_name_or_path``, ``base_model`` (a Hub id or absent, never a
-    path) -> ``config.base_model_id``, the rest -> ``config.training_info``."""
-    info = dict(info)
-    drafter.config.target_name_or_path = info.pop("target")
-    drafter.config.base_model_id = info.pop("base_model", None)
-    drafter.config.training_info = info
-
-
 def plot_learning_curve(log_history: list[dict[str, Any]], path: str | os.PathLike) -> None:
     """Training loss, per-slot top-1 accuracy and the chain acceptance estimate against the step (a PNG)."""
     plt = import_pyplot()  # matplotlib is the optional `plot` extra
@@ -305,6 +256,7 @@ def run_training(
 
     torch.manual_seed(training_args.seed)
     drafter = _build_drafter(model_args, target, train_set)
+    started_from = getattr(drafter.config, "training_info", None) if model_args.init_drafter else None
     drafter.loss_config = SpecBlockLossConfig.from_args(training_args)
 
     if data_args.features == "precomputed":
@@ -366,9 +318,8 @@ def run_training(
         metrics.update(evaluation_at(trainer.state.log_history, trainer.state.global_step) or trainer.evaluate())
     metrics["train_steps"] = trainer.state.global_step
     sessions = session_records(trainer.state.log_history, trainer.state.global_step)
-    info = training_info(
-        model_args, data_args, metrics, command or "run_training(...)", sessions, training_args.soft_labels
-    )
+    command = command or "run_training(...)"
+    info = training_info(model_args, data_args, metrics, command, sessions, training_args.soft_labels, started_from)
     record_training_info(trainer.accelerator.unwrap_model(trainer.model), info)
     if training_args.should_save:
         trainer.save_metrics("train", metrics)
