@@ -78,21 +78,25 @@ def test_time_up_to_a_checkpoint_counts_after_a_resume(ws):
     assert info["train_time_minutes"] == round(total / 60, 1) and info["train_steps"] == 2
 
 
-def test_a_continued_drafter_keeps_what_it_saw_before_and_drops_the_old_evaluation(ws):
+def test_a_continued_drafter_keeps_its_record_and_settings_and_drops_the_old_evaluation(ws):
     """A run from --init_drafter nests the record of the drafter it started from (the card shows both runs, the
-    tokens add up), drops the evaluation rows that measured the old weights, and a checkpoint of the run yields the
+    tokens add up), keeps its decoding settings, drops the evaluation rows that measured the old weights; a checkpoint of the run yields the
     record the finished run writes (what a drafter published while its run goes on carries)."""
     first = ws["root"] / "first"
     train(ws, first)
     config = json.loads((first / "config.json").read_text())
     config["eval_results"] = [{"dataset": "mt_bench", "tau": 9.99}]  # as if measured
     (first / "config.json").write_text(json.dumps(config))
+    settings = json.loads((first / "generation_config.json").read_text())
+    settings["prompt_lookup_num_tokens"] = 7  # its own decoding settings, not the defaults
+    (first / "generation_config.json").write_text(json.dumps(settings))
     out = ws["root"] / "continued"
     card, config = train(ws, out, "--init_drafter", str(first), "--save_strategy", "steps", "--save_steps", "1")
     info, earlier = config["training_info"], config["training_info"]["started_from"]
     assert earlier["drafter"] == str(first) and earlier["train_steps"] == 1 and "started_from" not in earlier
     assert info["total_train_tokens"] == info["train_tokens"] + earlier["train_tokens"] > info["train_tokens"]
     assert info["train_cpu_minutes"] >= 0 and not config["eval_results"]
+    assert json.loads((out / "generation_config.json").read_text())["prompt_lookup_num_tokens"] == 7
     assert f"- started from the drafter `{first}`, trained before as follows:" in card.text
     assert card.text.count(f"--output_dir {first}") == 1  # the earlier run's command, once
     assert "9.99" not in card.text and "_No evaluation recorded yet._" in card.text

@@ -3,6 +3,7 @@ it with `SpecBlockTrainer`, then record the run, plot the learning curve and sav
 
 from __future__ import annotations
 
+import copy
 import os
 import time
 from collections.abc import Sequence
@@ -211,10 +212,12 @@ def evaluation_at(log_history: list[dict[str, Any]], step: int) -> dict[str, Any
 
 
 def save_drafter(drafter: SpecBlockDraftModel, output_dir: str | os.PathLike, dtype: torch.dtype) -> None:
-    """``save_pretrained`` a plain `SpecBlockDraftModel` copy (safetensors, no target embedding) in ``dtype``."""
+    """``save_pretrained`` a plain `SpecBlockDraftModel` copy (safetensors, no target embedding) in ``dtype``, with
+    the drafter's decoding settings (those of the ``--init_drafter`` a run continued, else the defaults)."""
     plain = next((c for c in (SpecBlockDraftModel, DFlashDraftModel) if isinstance(drafter, c)), type(drafter))
     final = plain(drafter.config)
     final.load_state_dict(drafter.state_dict())
+    final.generation_config = copy.deepcopy(drafter.generation_config)
     final.to(dtype).save_pretrained(output_dir)
 
 
