@@ -1,6 +1,7 @@
 """docs/figures/campaign.svg: the training campaign's held-out slot-0 accuracy per drafter, against its training
-tokens in total and against the campaign's CPU-hours, with the shipped drafters marked, read from
-docs/results/campaign (`examples/campaign_curve.py` appends the points, `shipped.json` holds the shipped ones)."""
+tokens in total and against the campaign's CPU-hours, with the drafters it started from (the ones shipped before it)
+marked, read from docs/results/campaign (`examples/campaign_curve.py` appends the points, `shipped.json` holds the
+starting ones)."""
 
 from __future__ import annotations
 
@@ -84,7 +85,7 @@ def campaign_svg(folder: Path) -> str:
                  'text-anchor="middle" fill="#333333">held-out slot-0 accuracy (%)</text>')  # fmt: skip
     legend_x = LEFT + 2 * PANEL_W + GAP + 16
     entries = [(f"{NAMES[d]} campaign", COLOURS[d], "line") for d in COLOURS]
-    entries += [(f"{NAMES[d]} shipped", COLOURS[d], "box") for d in COLOURS]
+    entries += [(f"{NAMES[d]} at the start", COLOURS[d], "box") for d in COLOURS]
     entries += [("a run given up (dashed)", "#888888", "dash")]
     for k, (label, colour, kind) in enumerate(entries):
         ly = TOP + 14 + 18 * k
