@@ -7,7 +7,8 @@ its config and save it (weights + generated model card) to a Hub-style folder.
 
 `--tree_budget 8 16 32` measures several fixed budgets (one row per prompt set and budget, interleaved per prompt
 against one plain reference); `--drafter_only` turns the free candidates off (prompt lookup, n-gram and suffix
-cache), so the rows measure the drafter alone. Each prompt set resumes from `REPORT_DIR/SET/per_prompt.jsonl`.
+cache), so the rows measure the drafter alone; `--tree_construction reference` grows SpecBlock's trees as the
+reference implementation does. Each prompt set resumes from `REPORT_DIR/SET/per_prompt.jsonl`.
 
 Any target (packaged name, local folder or Hub id) with --device / --dtype as in specblock-bench; the drafter (shipped
 name, local folder or Hub id) runs in the target's dtype on its device.
@@ -55,6 +56,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--drafter_only", action="store_true", help="free candidates off (prompt lookup, n-gram, suffix cache)"
     )
+    parser.add_argument(
+        "--tree_construction", choices=("package", "reference"), default=None,
+        help="SpecBlock's tree construction (default: the drafter's own setting)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
 
     target, tokenizer = load_model(args.target_model, device=args.device, dtype=args.dtype)
@@ -63,6 +68,8 @@ def main(argv: list[str] | None = None) -> None:
     drafter.bind_target(target)  # on the target's device, in its dtype
     hardware = describe_hardware(target.device, target.dtype, drafter.dtype)  # detected now, not typed in
     free = FREE_CANDIDATES_OFF if args.drafter_only else {}
+    if args.tree_construction:
+        free = {**free, "tree_construction": args.tree_construction}
     budgets = args.tree_budget or [drafter.generation_config.tree_budget]
     methods = [Method(f"drafter@{budget}", {"assistant_model": drafter}, {"tree_budget": budget, **free})
                for budget in budgets]  # fmt: skip
@@ -85,6 +92,7 @@ def main(argv: list[str] | None = None) -> None:
                     "max_new_tokens": args.max_new_tokens,
                     "tree_budget": budget,
                     **({"free_candidates": "off"} if args.drafter_only else {}),
+                    **({"tree_construction": args.tree_construction} if args.tree_construction else {}),
                     "tau": round(summary["tau"], 3),
                     "speedup_vs_plain": round(summary["speedup"], 3),
                     "tokens_per_s": round(summary["tokens_per_s"], 2),

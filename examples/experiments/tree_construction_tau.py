@@ -1,6 +1,6 @@
 """Tau of SpecBlock's two tree constructions: this package's (`tree_construction="package"`) against the reference
 harness's (`"reference"`), on SmolLM2-135M-Instruct, greedy, fixed tree budgets, free candidates and adaptation off,
-two block steps. Every prompt runs every (drafter, construction, budget, context feeding) arm in turn (interleaved),
+two block steps (`--max_blocks` adds arms with more or fewer). Every prompt runs every (drafter, construction, budget, context feeding) arm in turn (interleaved),
 each output is checked against plain greedy, and the JSON is rewritten after every prompt (a rerun resumes after the
 last one).
 
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from itertools import product
 from pathlib import Path
 
 import torch
@@ -56,6 +57,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max_new_tokens", type=int, default=64)
     parser.add_argument("--tree_budgets", type=int, nargs="+", default=[90, 24])
     parser.add_argument("--constructions", nargs="+", default=["package", "reference"])
+    parser.add_argument("--max_blocks", type=int, nargs="+", default=[2],
+                        help="block rounds per iteration; arms other than 2 are named .../blocks=N")
     parser.add_argument("--context_feedings", nargs="+", default=["package"],
                         help='"reference" arms (named .../feeding=reference) feed the drafter as the harness does')
     args = parser.parse_args(argv)
@@ -81,22 +84,23 @@ def main(argv: list[str] | None = None) -> None:
         arms = {}
         for budget in args.tree_budgets:
             for drafter_name, drafter in drafters.items():
-                for construction in args.constructions:
-                    for feeding in args.context_feedings:
-                        with drafter.tree_settings(max_blocks=2):
-                            out = target.generate(ids, attention_mask=mask, assistant_model=drafter, do_sample=False,
-                                                  max_new_tokens=args.max_new_tokens, tree_budget=budget,
-                                                  tree_construction=construction, context_feeding=feeding,
-                                                  **OFF)  # fmt: skip
-                        stats = drafter.last_stats
-                        suffix = "" if feeding == "package" else f"/feeding={feeding}"
-                        arms[f"{drafter_name}/{construction}/{budget}{suffix}"] = {
-                            "equals_greedy": bool(torch.equal(out, plain)), "tokens": out.shape[1] - ids.shape[1],
-                            "steps": len(stats.accepted_per_iteration), "tau": round(stats.tau, 4),
-                        }  # fmt: skip
+                for construction, feeding, blocks in product(args.constructions, args.context_feedings, args.max_blocks):
+                    with drafter.tree_settings(max_blocks=blocks):
+                        out = target.generate(ids, attention_mask=mask, assistant_model=drafter, do_sample=False,
+                                              max_new_tokens=args.max_new_tokens, tree_budget=budget,
+                                              tree_construction=construction, context_feeding=feeding,
+                                              **OFF)  # fmt: skip
+                    stats = drafter.last_stats
+                    suffix = ("" if feeding == "package" else f"/feeding={feeding}") + (
+                        "" if blocks == 2 else f"/blocks={blocks}"
+                    )
+                    arms[f"{drafter_name}/{construction}/{budget}{suffix}"] = {
+                        "equals_greedy": bool(torch.equal(out, plain)), "tokens": out.shape[1] - ids.shape[1],
+                        "steps": len(stats.accepted_per_iteration), "tau": round(stats.tau, 4),
+                    }  # fmt: skip
         done.append({"prompt_set": name, "index": index, "prompt_tokens": ids.shape[1], "arms": arms})
         result = {"target": "smollm2-135m-instruct", "dtype": "float32", "max_new_tokens": args.max_new_tokens,
-                  "max_blocks": 2, "free_candidates": "off", "drafters": dict(d.split("=", 1) for d in args.drafter),
+                  "max_blocks": args.max_blocks, "free_candidates": "off", "drafters": dict(d.split("=", 1) for d in args.drafter),
                   "hardware": describe_hardware(target.device, target.dtype, torch.float32),
                   "summary": summarise(done), "rows": done}  # fmt: skip
         output.parent.mkdir(parents=True, exist_ok=True)
