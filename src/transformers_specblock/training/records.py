@@ -10,7 +10,7 @@ import os
 import shlex
 from typing import Any
 
-from transformers import HfArgumentParser
+from transformers import HfArgumentParser, PreTrainedModel
 
 from ..hub.assets import PACKAGED_MODELS
 from ..hub.provenance import resolve_base_model_id
@@ -70,7 +70,7 @@ def training_info(
     return {k: v for k, v in info.items() if v is not None}
 
 
-def record_training_info(drafter: Any, info: dict[str, Any]) -> None:
+def record_training_info(drafter: PreTrainedModel, info: dict[str, Any]) -> None:
     """Attach a run's record to the drafter config (the generated model card reads it): ``target`` (as given, or
     the packaged model's Hub id) -> ``config.target_name_or_path``, ``base_model`` (a Hub id or absent, never a
     path) -> ``config.base_model_id``, the rest -> ``config.training_info``. Evaluation rows the config carried
