@@ -48,6 +48,16 @@ COMMON=(--target_model smollm2-135m-instruct --dataset "$DATA" --eval_dataset sh
   --eval_steps 50 --save_dtype bfloat16 --features online --dtype bfloat16 --bf16 --seed 0 --report_to none
   --dataloader_num_workers 0 --use_cpu)
 
+# A new run starts from a frozen copy of its drafter (OUT/start_drafter, named in OUT/init_drafter): a resume rebuilds
+# the run from it, so its config and training record stay those of the drafter the run started from, whatever ships
+# or is committed later.
+freeze_start() {
+  [ -n "${DRY_RUN:-}" ] && return
+  PYTHONPATH=$REPO/src "$PYTHON" -c "import shutil, sys; from transformers_specblock.hub.shipped import \
+resolve_drafter_path as path; shutil.copytree(path(sys.argv[1]), sys.argv[2], dirs_exist_ok=True)" "$1" "$OUT/start_drafter"
+  echo "$OUT/start_drafter" > "$OUT/init_drafter"
+}
+
 mkdir -p "$OUT"
 if PYTHONPATH=$REPO/src "$PYTHON" -c "import sys; from transformers_specblock.training.trainer import \
 last_complete_checkpoint as last; sys.exit(last(sys.argv[1]) is None)" "$OUT"; then
@@ -59,13 +69,13 @@ elif [ -f "$COMMITTED/config.json" ]; then
     "$COMMITTED/campaign.json")
   OUT=$ROOT/$DRAFTER-from-step-$DONE
   mkdir -p "$OUT"
-  START=(--init_drafter "$COMMITTED" --warmup_steps "$WARMUP_AFTER_LOSS" --max_steps $((MAX_STEPS - DONE))
+  freeze_start "$COMMITTED"
+  START=(--init_drafter "$OUT/start_drafter" --warmup_steps "$WARMUP_AFTER_LOSS" --max_steps $((MAX_STEPS - DONE))
     --resume_from_checkpoint last)
-  echo "$COMMITTED" > "$OUT/init_drafter"
   HOW="no checkpoint: from the committed weights (campaign step $DONE) with $WARMUP_AFTER_LOSS warm-up steps"
 else
-  START=(--init_drafter "$DRAFTER-smollm2-135m-instruct" --resume_from_checkpoint last --warmup_steps 100)
-  echo "$DRAFTER-smollm2-135m-instruct" > "$OUT/init_drafter"
+  freeze_start "$DRAFTER-smollm2-135m-instruct"
+  START=(--init_drafter "$OUT/start_drafter" --resume_from_checkpoint last --warmup_steps 100)
   HOW="first start, from the shipped drafter"
 fi
 
