@@ -18,6 +18,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from campaign_figure import campaign_svg  # noqa: E402
 from cost_figure import cost_svg  # noqa: E402
 from docs_tables import command_reference  # noqa: E402
+from tau_tables import tau_by_arm, tau_by_set  # noqa: E402
 from tree_figure import mask_svg, tree_svg  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -29,6 +30,29 @@ TARGET_COST = ("target-cost/amd-epyc.json", "2026-12-03")
 SUFFIX_STREAMS = ("suffix-streams-bf16", "2026-12-02")
 ADAPTATION = ("adaptation-stream", "2026-12-04")
 GPU_TRAINING = ("gpu-h200-2026-11-30", "2026-11-30")
+CAMPAIGN_TAU = [  # (row label, folder under docs/results): the campaign's drafters against the shipped ones
+    # (tokens and CPU-hours from docs/results/campaign/*.jsonl and the drafters' cards)
+    ("EAGLE-3 shipped before the campaign (0.67M tokens)", "campaign/tau-eagle3-shipped"),
+    ("EAGLE-3 campaign step 640 (1.24M tokens, 1.36 campaign CPU-h), shipped now",
+     "campaign/tau-eagle3-campaign-step640"),
+    ("SpecBlock shipped (0.34M tokens)", "campaign/tau-specblock-shipped"),
+    ("SpecBlock campaign step 200 (0.51M tokens, 0.64 campaign CPU-h)", "campaign/tau-specblock-campaign-step200"),
+    ("SpecBlock campaign step 400 (0.69M tokens, 1.36 campaign CPU-h)", "campaign/tau-specblock-campaign-step400"),
+]
+CAMPAIGN_TAU_REFERENCE = [
+    ("SpecBlock shipped (0.34M tokens), package construction (default)", "campaign/tau-specblock-shipped"),
+    ("SpecBlock shipped (0.34M tokens), reference construction", "campaign/tau-specblock-shipped-reference"),
+    ("SpecBlock campaign step 420 (0.71M tokens, 1.47 campaign CPU-h), reference construction",
+     "campaign/tau-specblock-campaign-step420-reference"),
+    ("EAGLE-3 campaign step 640, shipped now (1.24M tokens, 1.36 campaign CPU-h)",
+     "campaign/tau-eagle3-campaign-step640"),
+]  # fmt: skip
+SPECBLOCK_DEPTH = ("specblock-depth/tau-blocks.json", [
+    ("package (default), 1 block round", "package", "/blocks=1"),
+    ("package (default), 2 block rounds (shipped)", "package", ""),
+    ("reference, 1 block round", "reference", "/blocks=1"),
+    ("reference, 2 block rounds", "reference", ""),
+])  # fmt: skip
 PROMPT_SETS = {"humaneval": "HumanEval", "mt_bench": "MT-Bench"}
 METHODS = {"lookup_tree": "lookup tree (no weights)", "eagle3": "EAGLE-3", "specblock": "SpecBlock",
            "dflash": "DFlash", "plain_control": "plain again (A/A control)"}  # fmt: skip
@@ -181,6 +205,11 @@ SECTIONS = {
         "gpu-training": gpu_training,
     },
     "docs/reference/commands.md": {"commands": command_reference},
+    "docs/training.md": {
+        "campaign-tau": lambda: tau_by_set(CAMPAIGN_TAU),
+        "campaign-tau-reference": lambda: tau_by_set(CAMPAIGN_TAU_REFERENCE),
+    },
+    "docs/results/specblock-depth/README.md": {"specblock-depth": lambda: tau_by_arm(*SPECBLOCK_DEPTH)},
 }
 FIGURES = {
     "docs/figures/tree.svg": tree_svg,
