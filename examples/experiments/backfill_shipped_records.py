@@ -26,14 +26,12 @@ from __future__ import annotations
 
 import json
 import re
-import shlex
 import sys
 from pathlib import Path
 
 from transformers_specblock.commands.card import card_for_folder
-from transformers_specblock.commands.cli import parse_train_args
 from transformers_specblock.hub.loading import resolve_dtype
-from transformers_specblock.training.records import record_training_info, training_info
+from transformers_specblock.training.records import parse_train_command, record_training_info, training_info
 
 MACHINE = "AMD EPYC (x86-64), 2 cores"  # docs/benchmarks.md "2 cores of an AMD EPYC (x86-64) ... no GPU"
 SESSION_NOTE = re.compile(
@@ -65,7 +63,7 @@ def sessions_from(command: str) -> list[dict[str, str]]:
 
 def hardware_of(command: str) -> str:
     """The dtypes the recorded command trained with, on the documented machine."""
-    model_args, _, training_args = parse_train_args(shlex.split(command)[1:])
+    model_args, _, training_args = parse_train_command(command)
     target_dtype = resolve_dtype(model_args.target_dtype, "cpu")
     mixed = " (bf16 mixed precision)" if training_args.bf16 else " (fp16 mixed precision)" if training_args.fp16 else ""
     return f"{MACHINE}; target {str(target_dtype).removeprefix('torch.')}, drafter float32{mixed}"
@@ -81,7 +79,7 @@ def backfill(folder: Path) -> None:
     sessions = sessions_from(old["command"])
     for session in sessions:
         session["hardware"] = hardware_of(session["command"])
-    model_args, data_args, training_args = parse_train_args(shlex.split(sessions[-1]["command"])[1:])
+    model_args, data_args, training_args = parse_train_command(sessions[-1]["command"])
     metrics = {
         "train_tokens": old["train_tokens"],
         "train_steps": old["train_steps"],

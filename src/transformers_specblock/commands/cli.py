@@ -32,18 +32,7 @@ from .report import write_report
 from .errors import command
 from ..models.lookup_tree.modeling_lookup_tree import LookupTreeModel
 from ..models.tree_drafter.modeling_tree_drafter import TreeDraftModel
-from ..training import DataArguments, ModelArguments, SpecBlockTrainingArguments, run_training
-
-
-def parse_train_args(
-    argv: Sequence[str] | None = None,
-) -> tuple[ModelArguments, DataArguments, SpecBlockTrainingArguments]:
-    """Parse ``specblock-train`` arguments (or a single ``.json`` file holding them) into the three dataclasses."""
-    parser = HfArgumentParser((ModelArguments, DataArguments, SpecBlockTrainingArguments))
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if len(argv) == 1 and argv[0].endswith(".json"):
-        return parser.parse_json_file(argv[0])
-    return parser.parse_args_into_dataclasses(args=argv)
+from ..training import parse_train_args, run_training
 
 
 def train_main(argv: Sequence[str] | None = None) -> None:

@@ -18,14 +18,15 @@ Modules (imports flow one way: ``attention`` <- ``arguments``, ``data``, ``featu
 ``modeling`` <- ``trainer`` <- ``run``):
 
 * `attention`: ``sparse_sdpa``, exact SDPA that skips the keys the block masks hide (the training pass' default).
-* `arguments`: the command-line dataclasses and `SpecBlockLossConfig`.
+* `arguments`: the command-line dataclasses, `parse_train_args` and `SpecBlockLossConfig`.
 * `data`: conversations, chat-template rendering with assistant masks, `SpecBlockDataCollator`.
 * `features`: the frozen target's features, online or precomputed (`precompute_features`, `PrecomputedFeatures`).
 * `vocab`: the draft vocabulary (``d2t`` / ``t2d``) and the head initialised from the target.
 * `losses`: the loss parts, the follow-up block mask and the logged metrics.
 * `modeling`: `SpecBlockDraftModelForTraining`, the multi-block training pass; its docstring states the loss.
 * `trainer`: `SpecBlockTrainer`.
-* `run`: `run_training`, the drafter it builds, its record, learning curve and saved weights.
+* `records`: what a card says about training: a run's record, a checkpoint's, the drafter a run started from.
+* `run`: `run_training`, the drafter it builds, its learning curve and saved weights.
 """
 
 from .attention import SPARSE_SDPA, sparse_sdpa_attention_forward
@@ -34,6 +35,7 @@ from .arguments import (
     ModelArguments,
     SpecBlockLossConfig,
     SpecBlockTrainingArguments,
+    parse_train_args,
 )
 from .data import (
     SpecBlockDataCollator,
@@ -113,6 +115,7 @@ __all__ = [
     "load_conversations",
     "normalize_conversation",
     "ordinal_targets",
+    "parse_train_args",
     "parse_train_command",
     "plot_learning_curve",
     "precompute_features",

@@ -3,9 +3,11 @@ layer-id option parsing."""
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from transformers import TrainingArguments
+from transformers import HfArgumentParser, TrainingArguments
 
 from ..hub.assets import PACKAGED_MODELS
 from ..hub.loading import DTYPE_CHOICES, DTYPES
@@ -311,3 +313,14 @@ def _parse_layer_ids(text: str | None) -> list[int] | None:
     except ValueError:
         raise ValueError(f"--target_layer_ids must be comma-separated integers, got {text!r}.") from None
 
+
+
+def parse_train_args(
+    argv: Sequence[str] | None = None,
+) -> tuple[ModelArguments, DataArguments, SpecBlockTrainingArguments]:
+    """Parse ``specblock-train`` arguments (or a single ``.json`` file holding them) into the three dataclasses."""
+    parser = HfArgumentParser((ModelArguments, DataArguments, SpecBlockTrainingArguments))
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if len(argv) == 1 and argv[0].endswith(".json"):
+        return parser.parse_json_file(argv[0])
+    return parser.parse_args_into_dataclasses(args=argv)

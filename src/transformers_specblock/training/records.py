@@ -10,11 +10,11 @@ import os
 import shlex
 from typing import Any
 
-from transformers import HfArgumentParser, PreTrainedModel
+from transformers import PreTrainedModel
 
 from ..hub.assets import PACKAGED_MODELS
 from ..hub.provenance import resolve_base_model_id
-from .arguments import DataArguments, ModelArguments, SpecBlockTrainingArguments
+from .arguments import DataArguments, ModelArguments, SpecBlockTrainingArguments, parse_train_args
 from .data import describe_training_data
 from .trainer import session_records
 
@@ -87,8 +87,7 @@ def parse_train_command(command: str) -> tuple[ModelArguments, DataArguments, Sp
     three argument dataclasses."""
     words = shlex.split(command)
     start = next((i for i, word in enumerate(words) if word.startswith("--")), len(words))
-    parser = HfArgumentParser((ModelArguments, DataArguments, SpecBlockTrainingArguments))
-    return parser.parse_args_into_dataclasses(args=words[start:])
+    return parse_train_args(words[start:])
 
 
 def checkpoint_training_info(checkpoint: str | os.PathLike) -> dict[str, Any]:

@@ -259,7 +259,7 @@ def run_training(
 
     torch.manual_seed(training_args.seed)
     drafter = _build_drafter(model_args, target, train_set)
-    started_from = getattr(drafter.config, "training_info", None) if model_args.init_drafter else None
+    started_from = getattr(drafter.config, "training_info", None)  # an --init_drafter's record (training_info)
     drafter.loss_config = SpecBlockLossConfig.from_args(training_args)
 
     if data_args.features == "precomputed":
