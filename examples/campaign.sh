@@ -8,8 +8,9 @@
 #   1. the newest COMPLETE checkpoint in CAMPAIGN_DIR/DRAFTER (`--resume_from_checkpoint last`: a checkpoint every
 #      SAVE_STEPS steps, a few minutes; one whose save was interrupted is passed over), same schedule and data order;
 #   2. else the campaign's last committed weights, docs/results/campaign/DRAFTER/ (when a machine lost its files):
-#      a new run from them with a short warm-up (WARMUP_AFTER_LOSS steps) over the steps left, recorded in
-#      docs/results/campaign/starts.jsonl and in the run's own records (its command names --init_drafter);
+#      a new run from them with a short warm-up (WARMUP_AFTER_LOSS steps) over the steps left and a data order of its
+#      own (--data_seed = the committed step: seed 0's order would replay the conversations already trained on),
+#      recorded in docs/results/campaign/starts.jsonl and in the run's own records (its command names --init_drafter);
 #   3. else the shipped drafter (the first start).
 # DRY_RUN=1 prints the command instead. The data (CAMPAIGN_DIR/data/train.jsonl) is built first if missing: examples/campaign_data.py.
 # Afterwards, `python examples/campaign_curve.py DRAFTER CAMPAIGN_DIR` appends the new held-out evaluations to
@@ -71,7 +72,7 @@ elif [ -f "$COMMITTED/config.json" ]; then
   mkdir -p "$OUT"
   freeze_start "$COMMITTED"
   START=(--init_drafter "$OUT/start_drafter" --warmup_steps "$WARMUP_AFTER_LOSS" --max_steps $((MAX_STEPS - DONE))
-    --resume_from_checkpoint last)
+    --data_seed "$DONE" --resume_from_checkpoint last)
   HOW="no checkpoint: from the committed weights (campaign step $DONE) with $WARMUP_AFTER_LOSS warm-up steps"
 else
   freeze_start "$DRAFTER-smollm2-135m-instruct"

@@ -50,6 +50,13 @@ def state_of(run: Path) -> tuple[dict, Path] | None:
     return max(states, key=lambda s: s[0]["global_step"]) if states else None
 
 
+def campaign_before(run: Path) -> tuple[int, float, float]:
+    """Campaign tokens, wall and CPU seconds before a run that started from committed weights (its predecessor's
+    folder lost with its machine): the training record of the run's frozen start drafter."""
+    info = json.loads((run / "start_drafter" / "config.json").read_text())["training_info"]
+    return info["train_tokens"], info["train_time_minutes"] * 60, info["train_cpu_minutes"] * 60
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("drafter", choices=sorted(SHIPPED_TOKENS))
@@ -60,7 +67,7 @@ def main() -> None:
     curve = RESULTS / f"{options.drafter}.jsonl"
     lines = [json.loads(line) for line in curve.read_text().splitlines()] if curve.is_file() else []
     known = {(line["run"], line["step"]) for line in lines}
-    tokens_before = seconds_before = cpu_before = 0
+    tokens_before = seconds_before = cpu_before = steps_before = 0
     newest = None
     added = 0
     with curve.open("a") as sink:
@@ -69,6 +76,8 @@ def main() -> None:
             if found is None:
                 continue
             state, where = found
+            if first_step != steps_before:  # the run it continues is gone: count the campaign from its start drafter
+                tokens_before, seconds_before, cpu_before = campaign_before(run)
             history = state["log_history"]
             hosts = [entry[SESSION_KEY].get("hardware") for entry in history if SESSION_KEY in entry]
             tokens = seconds = cpu = 0
@@ -92,7 +101,8 @@ def main() -> None:
                 known.add((run.name, line["step"]))
                 added += 1
             tokens_before, seconds_before, cpu_before = tokens_before + tokens, seconds_before + seconds, cpu_before + cpu
-            newest = (where, first_step + state["global_step"], tokens_before)
+            steps_before = first_step + state["global_step"]
+            newest = (where, steps_before, tokens_before)
     print(f"{curve}: {added} new evaluations")
     if options.weights and newest is not None:
         where, step, tokens = newest

@@ -110,14 +110,16 @@ def test_cli_methods_take_a_tree_budget_and_auto_is_measured_in_warm_up(tmp_path
     target, tokenizer, prompts, _, specblock = tiny_setup()
     specblock.save_pretrained(tmp_path / "drafter")
     args = BenchArguments(
-        target_model="tiny", methods="plain,specblock@4,specblock_one_block@auto,prompt_lookup,plain_control",
-        specblock_model=str(tmp_path / "drafter"), tree_budget="12",
+        target_model="tiny", specblock_model=str(tmp_path / "drafter"), tree_budget="12",
+        methods="plain,specblock@4,specblock_one_block@auto,prompt_lookup,plain_control,specblock_reference_one_block",
     )  # fmt: skip
     methods = build_methods(args, target)
-    assert [m.name for m in methods] == ["specblock@4", "specblock_one_block@auto", "prompt_lookup", "plain_control"]
+    assert [m.name for m in methods] == ["specblock@4", "specblock_one_block@auto", "prompt_lookup", "plain_control",
+                                         "specblock_reference_one_block"]  # fmt: skip
     assert methods[3].generate_kwargs == {} and methods[3].tree_settings == {}  # plain generate, timed as a method
     assert methods[0].tree_settings == {"tree_budget": 4}
     assert methods[1].tree_settings == {"max_blocks": 1, "tree_budget": "auto"}
+    assert methods[4].tree_settings == {"tree_construction": "reference", "max_blocks": 1, "tree_budget": 12}
     assert methods[0].generate_kwargs["assistant_model"] is methods[1].generate_kwargs["assistant_model"]
     for bad, message in [("prompt_lookup@4", "only tree methods"), ("plain_control@8", "only tree methods"),
                          ("specblock@0", "positive int"), ("specblock@big", "positive int"),
@@ -127,7 +129,7 @@ def test_cli_methods_take_a_tree_budget_and_auto_is_measured_in_warm_up(tmp_path
                           target)  # fmt: skip
 
     drafter = methods[1].generate_kwargs["assistant_model"]
-    results = run_benchmark(target, tokenizer, prompts.select(range(1)), [*methods[:2], methods[3]], max_new_tokens=8)
+    results = run_benchmark(target, tokenizer, prompts.select(range(1)), [*methods[:2], *methods[3:]], max_new_tokens=8)
     assert drafter.serving_state().auto_budget is not None  # the one-off cost measurement ran
     assert all(r.identical_to_reference for r in results.prompts)
     control = next(r for r in results.prompts if r.method == "plain_control")
