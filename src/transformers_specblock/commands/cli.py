@@ -146,7 +146,7 @@ def default_drafter_name(kind: str, target_model: str) -> str:
     return f"{kind}-{Path(target_model).name}"
 
 
-def _load_drafter(path: str | None, kind: str, target_model: str, target) -> TreeDraftModel:
+def load_bench_drafter(path: str | None, kind: str, target_model: str, target) -> TreeDraftModel:
     """A drafter (shipped name, local folder or Hub id; default: the shipped one named after the target) in the
     target's dtype, bound to the target, which puts it on the target's (input) device."""
     name_or_path = path or default_drafter_name(kind, target_model)
@@ -221,7 +221,7 @@ def build_methods(args: BenchArguments, target) -> list[Method]:
             methods.append(Method(spec, {"assistant_model": assistant}))
         elif name == "dflash_chain":  # transformers' own DFlash path (a chain), same drafter as "dflash"
             if "dflash" not in drafters:
-                drafters["dflash"] = _load_drafter(args.dflash_model, "dflash", args.target_model, target)
+                drafters["dflash"] = load_bench_drafter(args.dflash_model, "dflash", args.target_model, target)
             methods.append(Method(spec, {"assistant_model": drafters["dflash"], "speculation_type": "dflash"}))
         elif name in TREE_METHODS:
             kind, settings = TREE_METHODS[name]
@@ -231,7 +231,7 @@ def build_methods(args: BenchArguments, target) -> list[Method]:
                 drafters[kind] = LookupTreeModel.from_target(target)
             elif kind not in drafters:
                 path = {"eagle3": args.eagle3_model, "dflash": args.dflash_model}.get(kind, args.specblock_model)
-                drafters[kind] = _load_drafter(path, kind, args.target_model, target)
+                drafters[kind] = load_bench_drafter(path, kind, args.target_model, target)
             if with_lookup:
                 settings = settings | {
                     "prompt_lookup_num_tokens": args.prompt_lookup_num_tokens,
