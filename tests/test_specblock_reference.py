@@ -638,9 +638,10 @@ def test_tree_construction_is_checked(drafter, target):
 
 @pytest.mark.slow  # loads the packaged SmolLM2-135M-Instruct
 def test_smollm2_decoding_accepts_what_the_harness_accepted(one_thread):
-    """SmolLM2-135M-Instruct, float32 greedy, a drafter derived from the shipped SpecBlock one so that the reference
-    can represent it (`tests/reference/smollm2_decoding.py`: rank-head biases dropped, top-1 rank feature within the
-    top 20, follow-ups at block 1's positions), passed through the reference layout and loaded back. The harness's
+    """SmolLM2-135M-Instruct, float32 greedy, a drafter derived from the SpecBlock one shipped until 2026-12-04 (kept
+    as `fixtures/smollm2_decoding_drafter`) so that the reference can represent it (`tests/reference/smollm2_decoding.py`:
+    rank-head biases dropped, top-1 rank feature within the top 20, follow-ups at block 1's positions), passed through
+    the reference layout and loaded back. The harness's
     greedy loop (frozen: `fixtures/smollm2_decoding.json`, written by that script: each prompt set's first prompt and
     HumanEval's third, where this package's own context feeding parts from the harness at the 14th step) and
     `generate` with `tree_construction="reference"` and `context_feeding="reference"` accept the same number of
@@ -648,17 +649,15 @@ def test_smollm2_decoding_accepts_what_the_harness_accepted(one_thread):
     import sys
 
     from transformers_specblock import load_packaged_model, load_prompts
-    from transformers_specblock.hub.shipped import resolve_drafter_path
 
     sys.path.insert(0, str(Path(__file__).parent / "reference"))
-    from smollm2_decoding import reference_compatible
+    from smollm2_decoding import FROZEN_DRAFTER, reference_compatible
 
     frozen = json.loads((FIXTURES / "smollm2_decoding.json").read_text())
     target, tokenizer = load_packaged_model("smollm2-135m-instruct")
     target = target.float()
-    shipped = SpecBlockDraftModel.from_pretrained(resolve_drafter_path("specblock-smollm2-135m-instruct"),
-                                                  target=target, dtype=torch.float32).eval()  # fmt: skip
-    derived = reference_compatible(shipped)
+    frozen_drafter = SpecBlockDraftModel.from_pretrained(FROZEN_DRAFTER, target=target, dtype=torch.float32).eval()
+    derived = reference_compatible(frozen_drafter)
     derived.bind_target(target)
     folder = Path(tempfile.mkdtemp())
     derived.save_pretrained(folder, checkpoint_format="specblock_reference")

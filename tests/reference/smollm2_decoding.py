@@ -1,9 +1,10 @@
 """SpecBlock decoding on SmolLM2-135M-Instruct (float32, greedy): this package's `generate` against the SpecBlock
 reference harness's greedy loop, with one drafter passed through both layouts.
 
-No drafter for SmolLM2 exists in the reference's layout, and the shipped one cannot be exported as it is (its rank
-head has biases and its top-1 rank feature is normalised over the whole draft vocabulary). `reference_compatible`
-derives one from its weights: the rank-head biases dropped, the top-1 feature over the top 20 logits, follow-up
+No drafter for SmolLM2 exists in the reference's layout, and the package's cannot be exported as they are (their rank
+head has biases and their top-1 rank feature is normalised over the whole draft vocabulary). `reference_compatible`
+derives one from the weights of the SpecBlock drafter shipped until 2026-12-04, kept as `fixtures/smollm2_decoding_drafter`
+(the drafter the frozen comparison was made with, whatever ships later): the rank-head biases dropped, the top-1 feature over the top 20 logits, follow-up
 blocks at block 1's positions (every other weight as shipped). It is exported with
 `save_pretrained(checkpoint_format="specblock_reference")`, loaded strictly by the reference's inference model for the
 harness and by `SpecBlockDraftModel.from_pretrained(..., target=)` here. Both then decode the same prompts (MT-Bench
@@ -37,7 +38,8 @@ from reference_decoding import harness_decode  # noqa: E402
 
 from transformers_specblock import SpecBlockDraftModel, load_prompts  # noqa: E402
 from transformers_specblock.hub.loading import load_model  # noqa: E402
-from transformers_specblock.hub.shipped import resolve_drafter_path  # noqa: E402
+
+FROZEN_DRAFTER = Path(__file__).parent / "fixtures" / "smollm2_decoding_drafter"  # the comparison's drafter
 
 
 def reference_compatible(drafter: SpecBlockDraftModel) -> SpecBlockDraftModel:
@@ -64,8 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     target, tokenizer = load_model("smollm2-135m-instruct", device="cpu", dtype="float32")
     target.generation_config.eos_token_id = None  # the harness's tokenizer stand-in has no end of sequence either
-    shipped = SpecBlockDraftModel.from_pretrained(resolve_drafter_path("specblock-smollm2-135m-instruct"),
-                                                  target=target, dtype=torch.float32).eval()  # fmt: skip
+    shipped = SpecBlockDraftModel.from_pretrained(FROZEN_DRAFTER, target=target, dtype=torch.float32).eval()
     folder = Path(args.export_dir or tempfile.mkdtemp())
     derived = reference_compatible(shipped)
     derived.bind_target(target)
