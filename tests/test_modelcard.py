@@ -279,3 +279,16 @@ def test_saved_card_equals_the_folder_card(tmp_path):
     drafter.save_pretrained(tmp_path)
     assert (tmp_path / "README.md").read_text() == str(card_for_folder(tmp_path))
     assert SpecBlockDraftModel.from_pretrained(tmp_path).config.training_info["license"] == "mit"
+
+
+def test_the_card_lists_the_decoding_settings_that_differ_from_the_defaults(tmp_path):
+    drafter = make_drafter(make_target("llama"))
+    drafter.set_drafting_settings(tree_budget="auto")  # the package's defaults (the helper's drafter has budget 32)
+    drafter.save_pretrained(tmp_path / "plain")
+    assert "Decoding settings (`generation_config.json`; a `generate` keyword overrides one for a call):\n  the " \
+           "package's defaults" in (tmp_path / "plain" / "README.md").read_text()  # fmt: skip
+    drafter.set_drafting_settings(tree_construction="reference", tree_budget=16)
+    drafter.save_pretrained(tmp_path / "changed")
+    card = (tmp_path / "changed" / "README.md").read_text()
+    assert '{"tree_budget": 16, "tree_construction": "reference"}' in card
+    assert card == str(card_for_folder(tmp_path / "changed"))  # read back from generation_config.json

@@ -52,13 +52,18 @@ def _table(rows: list[dict[str, Any]]) -> str:
 
 
 def build_model_card(drafter: Any, repo_id: str | None = None) -> ModelCard:
-    """A Hub model card (YAML metadata + description) for `drafter`, from its config's records."""
+    """A Hub model card (YAML metadata + description) for `drafter`, from its config's records and the decoding
+    settings of its `generation_config` that differ from the package's defaults."""
     num_params = sum(p.numel() for p in drafter.parameters())
-    return model_card_from_config(drafter.config, type(drafter).__name__, num_params, repo_id)
+    decoding = drafter.generation_config.changed_settings()
+    return model_card_from_config(drafter.config, type(drafter).__name__, num_params, repo_id, decoding)
 
 
-def model_card_from_config(config: Any, cls: str, num_params: int, repo_id: str | None = None) -> ModelCard:
-    """The card of a drafter of class `cls` with `num_params` parameters, from nothing but its config's records.
+def model_card_from_config(
+    config: Any, cls: str, num_params: int, repo_id: str | None = None, decoding: dict[str, Any] | None = None
+) -> ModelCard:
+    """The card of a drafter of class `cls` with `num_params` parameters, from its config's records and `decoding`,
+    the settings of its `generation_config` that differ from the package's defaults.
 
     ``base_model`` is the recorded Hub id of the target (``config.base_model_id``), never a path: without one the
     card names no base model. ``license`` is the one given at training (``training_info["license"]``), else none.
@@ -96,6 +101,8 @@ output stays exactly the target's own (greedy) or its distribution (sampling).
 - Parameters (without the target embedding): {num_params / 1e6:.1f} M; draft vocabulary
   {getattr(config, "draft_vocab_size", config.vocab_size)} of {config.vocab_size} target tokens.
 - Tree defaults: {json.dumps(tree)}
+- Decoding settings (`generation_config.json`; a `generate` keyword overrides one for a call):
+  {json.dumps(decoding) if decoding else "the package's defaults"}
 
 ## Usage
 

@@ -167,6 +167,10 @@ class TreeGenerationConfig(GenerationConfig):
         """{name: value} of the drafting settings `names` (all by default)."""
         return {name: getattr(self, name) for name in names}
 
+    def changed_settings(self) -> dict[str, Any]:
+        """{name: value} of the drafting settings that differ from the package's defaults (what a model card lists)."""
+        return {name: value for name, value in self.drafting_settings().items() if value != DRAFTING_DEFAULTS[name]}
+
     def validate_settings(self) -> None:
         """Raise a ValueError naming the first inconsistent drafting setting."""
         check_tree_budget(self.tree_budget)
