@@ -35,22 +35,26 @@ CAMPAIGN_TAU = [  # (row label, folder under docs/results): the campaign's draft
     ("EAGLE-3 shipped before the campaign (0.67M tokens)", "campaign/tau-eagle3-shipped"),
     ("EAGLE-3 campaign step 640 (1.24M tokens, 1.36 campaign CPU-h), shipped now",
      "campaign/tau-eagle3-campaign-step640"),
-    ("SpecBlock shipped (0.34M tokens)", "campaign/tau-specblock-shipped"),
+    ("SpecBlock shipped before the campaign (0.34M tokens)", "campaign/tau-specblock-shipped"),
     ("SpecBlock campaign step 200 (0.51M tokens, 0.64 campaign CPU-h)", "campaign/tau-specblock-campaign-step200"),
     ("SpecBlock campaign step 400 (0.69M tokens, 1.36 campaign CPU-h)", "campaign/tau-specblock-campaign-step400"),
 ]
 CAMPAIGN_TAU_REFERENCE = [
-    ("SpecBlock shipped (0.34M tokens), package construction (default)", "campaign/tau-specblock-shipped"),
-    ("SpecBlock shipped (0.34M tokens), reference construction", "campaign/tau-specblock-shipped-reference"),
-    ("SpecBlock campaign step 420 (0.71M tokens, 1.47 campaign CPU-h), reference construction",
+    ("SpecBlock shipped before (0.34M tokens), package construction, 2 block rounds",
+     "campaign/tau-specblock-shipped"),
+    ("SpecBlock shipped before (0.34M tokens), reference construction, 2 block rounds",
+     "campaign/tau-specblock-shipped-reference"),
+    ("SpecBlock campaign step 420 (0.71M tokens, 1.47 campaign CPU-h), reference construction, 2 block rounds",
      "campaign/tau-specblock-campaign-step420-reference"),
+    ("SpecBlock campaign step 420, shipped now: reference construction, 1 block round",
+     "campaign/tau-specblock-campaign-step420-shipped"),
     ("EAGLE-3 campaign step 640, shipped now (1.24M tokens, 1.36 campaign CPU-h)",
      "campaign/tau-eagle3-campaign-step640"),
 ]  # fmt: skip
 SPECBLOCK_DEPTH = ("specblock-depth/tau-blocks.json", [
     ("package (default), 1 block round", "package", "/blocks=1"),
-    ("package (default), 2 block rounds (shipped)", "package", ""),
-    ("reference, 1 block round", "reference", "/blocks=1"),
+    ("package (default), 2 block rounds (the shipped drafter's settings until 2026-12-04)", "package", ""),
+    ("reference, 1 block round (the shipped drafter's settings since)", "reference", "/blocks=1"),
     ("reference, 2 block rounds", "reference", ""),
 ])  # fmt: skip
 PROMPT_SETS = {"humaneval": "HumanEval", "mt_bench": "MT-Bench"}
