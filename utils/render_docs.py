@@ -18,6 +18,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from campaign_figure import campaign_svg  # noqa: E402
 from cost_figure import cost_svg  # noqa: E402
 from docs_tables import command_reference  # noqa: E402
+from paired_tables import paired_table  # noqa: E402
 from tau_tables import tau_by_arm, tau_by_set  # noqa: E402
 from tree_figure import mask_svg, tree_svg  # noqa: E402
 
@@ -57,6 +58,19 @@ SPECBLOCK_DEPTH = ("specblock-depth/tau-blocks.json", [
     ("reference, 1 block round (the shipped drafter's settings since)", "reference", "/blocks=1"),
     ("reference, 2 block rounds", "reference", ""),
 ])  # fmt: skip
+SPECBLOCK_SHIP = {  # section -> (runs, method pairs) under docs/results/specblock-ship
+    "ship-compare": ([("HumanEval", "specblock-ship/compare-humaneval"), ("MT-Bench", "specblock-ship/compare-mt_bench")],
+                     [("candidate", "shipped"), ("candidate", "prompt_lookup"), ("shipped", "prompt_lookup"),
+                      ("plain_control", "plain")]),
+    "ship-fixed": ([("HumanEval, fixed budgets", "specblock-ship/fixed-humaneval")],
+                   [("specblock_reference_one_block@8", "specblock@8"), ("specblock_reference@8", "specblock@8"),
+                    ("specblock_reference_one_block@16", "specblock@16"), ("specblock_reference_one_block@8", "eagle3@8"),
+                    ("plain_control", "plain")]),
+    "ship-constructions": ([("HumanEval", "specblock-ship/constructions-humaneval"),
+                            ("MT-Bench", "specblock-ship/constructions-mt_bench")],
+                           [("specblock_reference_one_block", "specblock"), ("specblock_reference", "specblock"),
+                            ("specblock_reference_one_block", "eagle3"), ("plain_control", "plain")]),
+}  # fmt: skip
 PROMPT_SETS = {"humaneval": "HumanEval", "mt_bench": "MT-Bench"}
 METHODS = {"lookup_tree": "lookup tree (no weights)", "eagle3": "EAGLE-3", "specblock": "SpecBlock",
            "dflash": "DFlash", "plain_control": "plain again (A/A control)"}  # fmt: skip
@@ -214,6 +228,9 @@ SECTIONS = {
         "campaign-tau-reference": lambda: tau_by_set(CAMPAIGN_TAU_REFERENCE),
     },
     "docs/results/specblock-depth/README.md": {"specblock-depth": lambda: tau_by_arm(*SPECBLOCK_DEPTH)},
+    "docs/results/specblock-ship/README.md": {
+        name: (lambda runs=runs, pairs=pairs: paired_table(runs, pairs)) for name, (runs, pairs) in SPECBLOCK_SHIP.items()
+    },
 }
 FIGURES = {
     "docs/figures/tree.svg": tree_svg,
