@@ -1,11 +1,13 @@
-"""docs/figures/campaign.svg: the training campaign's held-out slot-0 accuracy per drafter, against its training
-tokens in total and against the campaign's CPU-hours, with the drafters it started from (the ones shipped before it)
-marked, read from docs/results/campaign (`examples/campaign_curve.py` appends the points, `shipped.json` holds the
-starting ones)."""
+"""docs/figures/campaign.svg and the status table of docs/training.md: the training campaign's held-out slot-0
+accuracy per drafter, against its training tokens in total and against the campaign's CPU-hours, with the drafters it
+started from (the ones shipped before it) marked, read from docs/results/campaign (`examples/campaign_curve.py`
+appends the points, `shipped.json` holds the starting ones). A run ``DRAFTER-from-step-N`` continued the committed
+weights of campaign step N after a machine lost its checkpoints: its line starts at the last evaluation before N."""
 
 from __future__ import annotations
 
 import json
+import re
 from html import escape
 from pathlib import Path
 
@@ -23,6 +25,46 @@ def _runs(folder: Path) -> dict[str, dict[str, list[dict]]]:
             point = json.loads(line)
             runs.setdefault(drafter, {}).setdefault(point["run"], []).append(point)
     return runs
+
+
+def _start(drafter_runs: dict[str, list[dict]], run: str) -> dict | None:
+    """The point a run starts from: None for the drafter shipped before; for ``...-from-step-N`` the last evaluation
+    of the earlier runs at or before campaign step N."""
+    match = re.search(r"-from-step-(\d+)$", run)
+    if match is None:
+        return None
+    earlier = [p for name, points in drafter_runs.items() if name != run for p in points
+               if p["step"] <= int(match.group(1)) and not p.get("abandoned")]  # fmt: skip
+    return max(earlier, key=lambda p: p["step"], default=None)
+
+
+def campaign_status(folder: Path) -> str:
+    """One row per drafter shipped before and per campaign run: every evaluation's campaign tokens, CPU-hours,
+    held-out slot-0 and estimated chain, the drafter's best slot-0 in bold."""
+    shipped, runs = json.loads((folder / "shipped.json").read_text()), _runs(folder)
+    lines = ["| run | campaign tokens | CPU-hours | held-out slot-0 | est. chain |", "|---|---|---|---|---|"]
+    for drafter, drafter_runs in runs.items():
+        start = shipped[drafter]
+        lines.append(f"| {NAMES[drafter]} shipped before (start) | 0 | 0 | {start['eval_acc_slot0']:.1%} | "
+                     f"{start['eval_accept_length']:.3f} |")  # fmt: skip
+        best = max(p["eval_acc_slot0"] for points in drafter_runs.values() for p in points)
+        for run, points in drafter_runs.items():
+            peak = max((p.get("learning_rate") or 0 for p in points), default=0)
+            label = f"{NAMES[drafter]} `{run}`" + (f", peak lr {peak:.0e}".replace("e-0", "e-") if peak else "")
+            if _start(drafter_runs, run):
+                label += f", from the committed step {run.rsplit('-', 1)[1]}"
+            if points[0].get("abandoned"):
+                label += " (given up)"
+            cells = [
+                " / ".join(f"{p['campaign_tokens'] / 1e3:.0f}k" for p in points),
+                " / ".join(f"{(p.get('train_cpu_seconds') or 0) / 3600:.2f}" if p.get("train_cpu_seconds") else "-"
+                           for p in points),
+                " / ".join(f"**{p['eval_acc_slot0']:.1%}**" if p["eval_acc_slot0"] == best else
+                           f"{p['eval_acc_slot0']:.1%}" for p in points),
+                " / ".join(f"{p['eval_accept_length']:.3f}" for p in points),
+            ]  # fmt: skip
+            lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def _ticks(top: float) -> list[float]:
@@ -70,7 +112,9 @@ def campaign_svg(folder: Path) -> str:
                      f"{title}</text>")  # fmt: skip
         for drafter, drafter_runs in runs.items():
             for run, run_points in drafter_runs.items():
-                start = (x_of(x_shipped(drafter)), y_of(shipped[drafter]["eval_acc_slot0"]))  # every run's start
+                earlier = _start(drafter_runs, run)
+                start = ((x_of(x_shipped(drafter)), y_of(shipped[drafter]["eval_acc_slot0"])) if earlier is None
+                         else (x_of(x_point(earlier)), y_of(earlier["eval_acc_slot0"])))  # fmt: skip
                 xy = [start] + [(x_of(x_point(p)), y_of(p["eval_acc_slot0"])) for p in run_points]
                 dash = ' stroke-dasharray="4 3" opacity="0.6"' if run_points[0].get("abandoned") else ""
                 line = " ".join(f"{x:.1f},{y:.1f}" for x, y in xy)
