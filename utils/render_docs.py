@@ -25,7 +25,7 @@ from tree_figure import mask_svg, tree_svg  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "docs" / "results"
 # The current runs the pages cite: (folder under docs/results, date run). Everything else under docs/results is older.
-SINGLE_STREAM = {"bfloat16": ("batch-control", "2026-12-02"), "float32": ("batch-five-rounds", "2026-12-02")}
+SINGLE_STREAM = {"bfloat16": ("glance-2026-12-04", "2026-12-04"), "float32": ("glance-2026-12-04", "2026-12-04")}
 BATCHES = ("batch-control", "bfloat16", "2026-12-02")
 TARGET_COST = ("target-cost/amd-epyc.json", "2026-12-03")
 SUFFIX_STREAMS = ("suffix-streams-bf16", "2026-12-02")
@@ -74,6 +74,7 @@ SPECBLOCK_SHIP = {  # section -> (runs, method pairs) under docs/results/specblo
 PROMPT_SETS = {"humaneval": "HumanEval", "mt_bench": "MT-Bench"}
 METHODS = {"lookup_tree": "lookup tree (no weights)", "eagle3": "EAGLE-3", "specblock": "SpecBlock",
            "dflash": "DFlash", "plain_control": "plain again (A/A control)"}  # fmt: skip
+GLANCE_METHODS = {"prompt_lookup": "transformers' prompt lookup", **METHODS}
 
 
 def load(relative: str) -> dict:
@@ -114,7 +115,7 @@ def glance(root: str = "docs/results") -> str:
         notes.append(f"{dtype}: {where}, {date}")
     header = "| method | " + " | ".join(name for name, _ in columns) + " |"
     lines = [header, "|---" * (len(columns) + 1) + "|"]
-    for key, name in METHODS.items():
+    for key, name in GLANCE_METHODS.items():
         if key != "plain_control" or all(key in methods for _, methods in columns):
             lines.append(f"| {name} | " + " | ".join(cell(m[key]) if key in m else "-" for _, m in columns) + " |")
     gpu = gpu_inference_runs()
