@@ -9,8 +9,8 @@ drafter's before the campaign + the campaign's), the campaign's training seconds
 time: what a run spent on a shared machine), the learning rate of the last training log, held-out slot-0 top-1
 and the estimated greedy-chain length, plus the run and the host it ran on. Lines already in the file (same run and
 step) are not written again. ``--weights`` also copies the newest checkpoint's drafter, in bfloat16, to
-``docs/results/campaign/DRAFTER/`` with ``campaign.json`` (its campaign step and tokens): what ``campaign.sh``
-continues from when no checkpoint survives. Its config and model card record the campaign up to that step, with the
+``docs/results/campaign/DRAFTER/`` with ``campaign.json`` (its campaign step, tokens and training seconds): what
+``campaign.sh`` continues from when no checkpoint survives. Its config and model card record the campaign up to that step, with the
 drafter it started from nested (``training.records.checkpoint_training_info``).
 """
 
@@ -52,7 +52,11 @@ def state_of(run: Path) -> tuple[dict, Path] | None:
 
 def campaign_before(run: Path) -> tuple[int, float, float]:
     """Campaign tokens, wall and CPU seconds before a run that started from committed weights (its predecessor's
-    folder lost with its machine): the training record of the run's frozen start drafter."""
+    folder lost with its machine): the ``campaign.json`` committed with them, else (weights committed before it
+    recorded seconds: the campaign's first run) the training record of the run's frozen start drafter."""
+    campaign = json.loads((run / "start_drafter" / "campaign.json").read_text())
+    if "train_cpu_seconds" in campaign:
+        return campaign["campaign_tokens"], campaign["train_seconds"], campaign["train_cpu_seconds"]
     info = json.loads((run / "start_drafter" / "config.json").read_text())["training_info"]
     return info["train_tokens"], info["train_time_minutes"] * 60, info["train_cpu_minutes"] * 60
 
@@ -102,15 +106,16 @@ def main() -> None:
                 added += 1
             tokens_before, seconds_before, cpu_before = tokens_before + tokens, seconds_before + seconds, cpu_before + cpu
             steps_before = first_step + state["global_step"]
-            newest = (where, steps_before, tokens_before)
+            newest = (where, steps_before, tokens_before, seconds_before, cpu_before)
     print(f"{curve}: {added} new evaluations")
     if options.weights and newest is not None:
-        where, step, tokens = newest
+        where, step, tokens, seconds, cpu = newest
         target = RESULTS / options.drafter
         drafter = DRAFTERS[options.drafter][1].from_pretrained(where)
         record_training_info(drafter, checkpoint_training_info(where))  # its card: the campaign up to this step
         save_drafter(drafter, target, torch.bfloat16)
-        info = {"campaign_steps": step, "campaign_tokens": tokens, "from": str(where)}
+        info = {"campaign_steps": step, "campaign_tokens": tokens, "train_seconds": round(seconds, 1),
+                "train_cpu_seconds": round(cpu, 1), "from": str(where)}
         tmp = target / "campaign.json.tmp"
         tmp.write_text(json.dumps(info) + "\n")
         os.replace(tmp, target / "campaign.json")
