@@ -5,8 +5,9 @@
 #
 # One training process, one thread, `nice -n 19`, its log in CAMPAIGN_DIR/DRAFTER/train.log (tqdm progress).
 # Where it starts from, in this order:
-#   1. the newest COMPLETE checkpoint in CAMPAIGN_DIR/DRAFTER (`--resume_from_checkpoint last`: a checkpoint every
-#      SAVE_STEPS steps, a few minutes; one whose save was interrupted is passed over), same schedule and data order;
+#   1. the newest COMPLETE checkpoint of the run started last (CAMPAIGN_DIR/DRAFTER-from-step-N with the largest N,
+#      else CAMPAIGN_DIR/DRAFTER; `--resume_from_checkpoint last`: a checkpoint every SAVE_STEPS steps, a few minutes;
+#      one whose save was interrupted is passed over), same schedule and data order;
 #   2. else the campaign's last committed weights, docs/results/campaign/DRAFTER/ (when a machine lost its files):
 #      a new run from them with a short warm-up (WARMUP_AFTER_LOSS steps) over the steps left and a data order of its
 #      own (--data_seed = the committed step: seed 0's order would replay the conversations already trained on),
@@ -21,7 +22,6 @@ DRAFTER=${1:-specblock}
 ROOT=${2:-/work/campaign}
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 PYTHON=${PYTHON:-python}
-OUT=$ROOT/$DRAFTER
 DATA=$ROOT/data/train.jsonl
 MAX_STEPS=${MAX_STEPS:-4400}           # x 2 conversations x ~480 tokens = about 4.2M training tokens
 SAVE_STEPS=${SAVE_STEPS:-10}           # SpecBlock: 10 steps = 3-5 minutes on one shared core
@@ -35,10 +35,16 @@ case $DRAFTER in
   *) echo "usage: $0 [specblock|eagle3] [CAMPAIGN_DIR]" >&2; exit 2 ;;
 esac
 
-if pgrep -f -- "--output_dir $OUT( |$)" > /dev/null; then
-  echo "a campaign run of $DRAFTER is already running (output $OUT)" >&2
+if pgrep -f -- "--output_dir $ROOT/$DRAFTER(-from-step-[0-9]+)?( |$)" > /dev/null; then
+  echo "a campaign run of $DRAFTER is already running (under $ROOT)" >&2
   exit 1
 fi
+OUT=$ROOT/$DRAFTER  # the run started last: the one a resume continues
+for RUN in "$ROOT/$DRAFTER"-from-step-*; do
+  if [ -d "$RUN" ] && { [ "$OUT" = "$ROOT/$DRAFTER" ] || [ "${RUN##*-from-step-}" -gt "${OUT##*-from-step-}" ]; }; then
+    OUT=$RUN
+  fi
+done
 if [ ! -f "$DATA" ]; then
   PYTHONPATH=$REPO/src OMP_NUM_THREADS=1 nice -n 19 "$PYTHON" "$REPO/examples/campaign_data.py" --output_dir "$ROOT/data"
 fi
@@ -59,7 +65,7 @@ resolve_drafter_path as path; shutil.copytree(path(sys.argv[1]), sys.argv[2], di
   echo "$OUT/start_drafter" > "$OUT/init_drafter"
 }
 
-mkdir -p "$OUT"
+[ -n "${DRY_RUN:-}" ] || mkdir -p "$OUT"
 if PYTHONPATH=$REPO/src "$PYTHON" -c "import sys; from transformers_specblock.training.trainer import \
 last_complete_checkpoint as last; sys.exit(last(sys.argv[1]) is None)" "$OUT"; then
   INIT=$(cat "$OUT/init_drafter")  # the run is rebuilt as it started, then the checkpoint's weights load
@@ -69,7 +75,7 @@ elif [ -f "$COMMITTED/config.json" ]; then
   DONE=$(PYTHONPATH=$REPO/src "$PYTHON" -c "import json, sys; print(json.load(open(sys.argv[1]))['campaign_steps'])" \
     "$COMMITTED/campaign.json")
   OUT=$ROOT/$DRAFTER-from-step-$DONE
-  mkdir -p "$OUT"
+  [ -n "${DRY_RUN:-}" ] || mkdir -p "$OUT"
   freeze_start "$COMMITTED"
   START=(--init_drafter "$OUT/start_drafter" --warmup_steps "$WARMUP_AFTER_LOSS" --max_steps $((MAX_STEPS - DONE))
     --data_seed "$DONE" --resume_from_checkpoint last)
