@@ -27,14 +27,20 @@ def _runs(folder: Path) -> dict[str, dict[str, list[dict]]]:
     return runs
 
 
+def _continued_from(run: str) -> int | None:
+    """N for a run ``DRAFTER-from-step-N`` (it continued the weights committed at campaign step N), else None."""
+    match = re.search(r"-from-step-(\d+)$", run)
+    return int(match.group(1)) if match else None
+
+
 def _start(drafter_runs: dict[str, list[dict]], run: str) -> dict | None:
     """The point a run starts from: None for the drafter shipped before; for ``...-from-step-N`` the last evaluation
     of the earlier runs at or before campaign step N."""
-    match = re.search(r"-from-step-(\d+)$", run)
-    if match is None:
+    step = _continued_from(run)
+    if step is None:
         return None
     earlier = [p for name, points in drafter_runs.items() if name != run for p in points
-               if p["step"] <= int(match.group(1)) and not p.get("abandoned")]  # fmt: skip
+               if p["step"] <= step and not p.get("abandoned")]  # fmt: skip
     return max(earlier, key=lambda p: p["step"], default=None)
 
 
@@ -51,14 +57,13 @@ def campaign_status(folder: Path) -> str:
         for run, points in drafter_runs.items():
             peak = max((p.get("learning_rate") or 0 for p in points), default=0)
             label = f"{NAMES[drafter]} `{run}`" + (f", peak lr {peak:.0e}".replace("e-0", "e-") if peak else "")
-            if _start(drafter_runs, run):
-                label += f", from the committed step {run.rsplit('-', 1)[1]}"
+            if (step := _continued_from(run)) is not None:
+                label += f", from the committed step {step}"
             if points[0].get("abandoned"):
                 label += " (given up)"
             cells = [
                 " / ".join(f"{p['campaign_tokens'] / 1e3:.0f}k" for p in points),
-                " / ".join(f"{(p.get('train_cpu_seconds') or 0) / 3600:.2f}" if p.get("train_cpu_seconds") else "-"
-                           for p in points),
+                " / ".join(f"{p['train_cpu_seconds'] / 3600:.2f}" if p.get("train_cpu_seconds") else "-" for p in points),
                 " / ".join(f"**{p['eval_acc_slot0']:.1%}**" if p["eval_acc_slot0"] == best else
                            f"{p['eval_acc_slot0']:.1%}" for p in points),
                 " / ".join(f"{p['eval_accept_length']:.3f}" for p in points),
