@@ -262,17 +262,25 @@ BASE = dict(vocab_size=VOCAB, hidden_size=64, num_attention_heads=4, num_key_val
 INVALID = [
     ("block_size", dict(block_size=0)),
     ("block_size", dict(block_size=-2)),
-    ("tree_budget", dict(tree_budget=0)),
     ("prefill_chunk_size", dict(prefill_chunk_size=0)),
-    ("tree_budget", dict(tree_budget=-5)),
-    ("branch_widths", dict(branch_widths=[2, 4])),
-    ("branch_widths", dict(branch_widths=[2, 4, 6, 0, 1])),
     ("draft_vocab_size", dict(draft_vocab_size=VOCAB + 1)),
     ("draft_vocab_size", dict(draft_vocab_size=0)),
-    ("max_blocks", dict(max_blocks=0)),
-    ("tree_policy", dict(tree_policy="widest")),
     ("target_layer_ids", dict(target_layer_ids=[1, 2])),
     ("target_layer_ids", dict(target_layer_ids=[2, 3, 7])),
+]
+# decoding settings (the drafter's `generation_config`); the first ones are wrong whatever the drafter
+INVALID_DECODING = [
+    ("tree_budget", dict(tree_budget=0)),
+    ("tree_budget", dict(tree_budget=-5)),
+    ("max_blocks", dict(max_blocks=0)),
+    ("max_followups", dict(max_followups=0)),
+    ("tree_policy", dict(tree_policy="widest")),
+    ("fixed_width", dict(fixed_width=0)),
+    ("tree_top_k", dict(tree_top_k=0)),
+    ("tree_depth", dict(tree_depth=-1)),
+    ("branch_widths", dict(branch_widths=[])),
+    ("branch_widths", dict(branch_widths=[2, 4])),  # not one width per rank class of this drafter
+    ("branch_widths", dict(branch_widths=[2, 4, 6, 0, 1])),
 ]
 
 
@@ -282,10 +290,36 @@ def test_invalid_config_values(name, bad):
         SpecBlockConfig(**BASE, **bad)
 
 
-@pytest.mark.parametrize("name, bad", INVALID[:8:2], ids=[n for n, _ in INVALID[:8:2]])
+@pytest.mark.parametrize("name, bad", INVALID[::2], ids=[n for n, _ in INVALID[::2]])
 def test_invalid_overrides_in_from_target(target, name, bad):
     with pytest.raises(ValueError, match=name):
         make_drafter(target, **bad)
+
+
+@pytest.mark.parametrize("name, bad", INVALID_DECODING, ids=[f"{n}={list(b.values())[0]}" for n, b in INVALID_DECODING])
+def test_invalid_decoding_settings(target, drafter, name, bad):
+    if INVALID_DECODING.index((name, bad)) < 9:  # wrong for any drafter: the generation config refuses it alone
+        with pytest.raises(ValueError, match=name):
+            TreeGenerationConfig(**bad)
+    with pytest.raises(ValueError, match=name):
+        make_drafter(target, **bad)
+    with pytest.raises(ValueError, match=name):
+        drafter.set_drafting_settings(**bad)
+    with pytest.raises(ValueError, match=name):
+        target.generate(PROMPT, assistant_model=drafter, max_new_tokens=2, do_sample=False, **bad)
+    assert drafter.generation_config.drafting_settings() == make_drafter(target).generation_config.drafting_settings()
+
+
+def test_a_decoding_setting_on_the_config_is_refused_and_says_where_it_lives(drafter):
+    """Set on the config, a decoding setting would be read by nothing: reading or setting it there is refused."""
+    for name in ("tree_budget", "max_blocks", "tree_top_k"):
+        with pytest.raises(AttributeError, match=rf"{name} is a decoding setting.*set_drafting_settings\({name}="):
+            setattr(drafter.config, name, 1)
+        with pytest.raises(AttributeError, match=rf"drafter.generation_config.{name}"):
+            getattr(drafter.config, name)
+        assert not hasattr(drafter.config, name)
+    with pytest.raises(AttributeError, match="has no attribute 'no_such_setting'"):
+        drafter.config.no_such_setting  # noqa: B018
 
 
 def test_too_small_target():
@@ -294,12 +328,12 @@ def test_too_small_target():
 
 
 def test_valid_edge_values_are_accepted():
-    config = SpecBlockConfig(**BASE, block_size=1, draft_vocab_size=VOCAB, max_blocks=1)
+    config = SpecBlockConfig(**BASE, block_size=1, draft_vocab_size=VOCAB)
     assert (config.block_size, config.draft_vocab_size) == (1, VOCAB)
-    assert TreeGenerationConfig(tree_budget=1).tree_budget == 1
+    assert TreeGenerationConfig(tree_budget=1, max_blocks=1, tree_depth=0).tree_budget == 1
 
 
-# --- settings decoding cannot use: the config refuses them, naming the setting and the allowed range --------------
+# --- settings this drafter cannot draft with: refused, naming the setting and the allowed range --------------------
 def test_fixed_width_larger_than_draft_vocab(target):
     with pytest.raises(ValueError, match=rf"fixed_width must lie in \[1, draft_vocab_size={VOCAB}\], got {VOCAB + 10}"):
         make_drafter(target, tree_policy="fixed", fixed_width=VOCAB + 10)
@@ -307,17 +341,9 @@ def test_fixed_width_larger_than_draft_vocab(target):
 
 
 def test_branch_width_larger_than_draft_vocab(target):
-    with pytest.raises(ValueError, match=r"branch_widths must lie in \[0, draft_vocab_size=4\], got \[6, 6, 6, 6\]"):
+    with pytest.raises(ValueError, match=r"branch_widths needs one width in \[0, draft_vocab_size=4\] per rank class"):
         make_drafter(target, draft_vocab_size=4, branch_widths=[6, 6, 6, 6])
     make_drafter(target, draft_vocab_size=4, branch_widths=[4, 4, 4, 0])
-
-
-def test_zero_followups(target):
-    with pytest.raises(ValueError, match="max_followups must be >= 1, got 0"):
-        make_drafter(target, max_followups=0)
-    with pytest.raises(ValueError, match="max_followups"):
-        with make_drafter(target).tree_settings(max_followups=0):
-            pass
 
 
 def test_stock_assisted_decoding_after_uninstall_says_what_to_do(target, drafter):

@@ -76,7 +76,8 @@ def test_every_method_runs_and_metrics_are_consistent(tmp_path):
         assert 0.0 < summary[name]["drafting_share"] < 1.0
     assert summary["specblock_one_block"]["drafter_forwards_per_iter"] == pytest.approx(1.0, abs=0.2)
     assert summary["specblock"]["drafter_forwards_per_iter"] > summary["specblock_one_block"]["drafter_forwards_per_iter"]
-    assert specblock.config.max_blocks == 2 and specblock.config.fixed_width == 4  # ablation settings restored
+    settings = specblock.generation_config
+    assert settings.max_blocks == 2 and settings.fixed_width == 4  # the ablation settings restored
 
     write_report(results, tmp_path)
     payload = json.loads((tmp_path / "results.json").read_text())

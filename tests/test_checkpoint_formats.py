@@ -92,7 +92,7 @@ def write_published(folder, drafter, layout: str) -> None:
         fields.update(
             architectures=["LlamaForCausalLMSpecBlock"], num_hidden_layers=config.num_hidden_layers,
             draft_vocab_size=config.draft_vocab_size, diffspec_draft_token_num=config.block_size, rank_classes=4,
-            num_ttt_blocks=config.max_blocks, rope_theta=theta, rope_scaling=None,
+            num_ttt_blocks=drafter.generation_config.max_blocks, rope_theta=theta, rope_scaling=None,
         )  # fmt: skip
         save_file(state, os.path.join(folder, "model.safetensors"))  # their save_pretrained: "embed" keys dropped
         torch.save({"d2t": offsets, "t2d": drafter.t2d.clone()}, os.path.join(folder, "vocab_mapping.pt"))

@@ -65,11 +65,11 @@ def test_config_from_target(family, build):
     assert config.intermediate_size == 80 and config.num_hidden_layers == 1
     theta = float(target_config.rope_parameters["rope_theta"])
     assert config.rope_parameters == {"rope_type": "default", "rope_theta": theta}
-    assert (config.tree_top_k, config.tree_depth) == (10, 7)
-    assert Eagle3DraftModel.default_generation_config(config).tree_budget == 59  # EAGLE's total_tokens - 1
+    settings = Eagle3DraftModel.default_generation_config(config)  # EAGLE's: total_tokens - 1, top-k 10, depth 7
+    assert (settings.tree_budget, settings.tree_top_k, settings.tree_depth) == (59, 10, 7)
     assert (config.ttt_steps, config.ttt_decay) == (7, 0.8)
-    custom = Eagle3Config.from_target_config(target_config, draft_vocab_size=32, tree_top_k=4, hidden_size=24)
-    assert (custom.draft_vocab_size, custom.tree_top_k, custom.hidden_size, custom.head_dim) == (32, 4, 24, 4)
+    custom = Eagle3Config.from_target_config(target_config, draft_vocab_size=32, hidden_size=24)
+    assert (custom.draft_vocab_size, custom.hidden_size, custom.head_dim) == (32, 24, 4)
 
 
 def test_config_rejects_bad_settings():

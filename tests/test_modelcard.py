@@ -258,7 +258,9 @@ def test_shipped_cards_are_what_the_generator_makes_of_their_config(tmp_path):
         assert all(row["free_candidates"] == "off" for row in config["eval_results"])
         assert f"started from the drafter `{kind}-smollm2-135m-instruct`" in generated
         if kind == "specblock":  # its trees grown as the reference implementation grows them, one block round
-            assert config["max_blocks"] == 1 and '"tree_construction": "reference"' in generated
+            settings = json.loads((folder / "generation_config.json").read_text())
+            assert settings["max_blocks"] == 1 and settings["tree_construction"] == "reference"
+            assert '"tree_construction": "reference", "max_blocks": 1' in generated
         info = info["started_from"]  # ... the drafter shipped before, checked below
         # the drafters shipped before the campaign: trained on this CPU at equal compute on ShareGPT's own answers,
         # resumed over several sessions, every session in the card

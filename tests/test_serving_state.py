@@ -14,14 +14,16 @@ import pytest
 import torch
 
 from conftest import make_drafter, make_target
+from transformers import AutoModel
 from transformers.utils import logging
 
-from transformers_specblock import Eagle3DraftModel, LookupTreeModel, SpecBlockDraftModel
+from transformers_specblock import LookupTreeModel, SpecBlockDraftModel
 from transformers_specblock.models.tree_drafter.generation_config import DRAFTING_SETTINGS, TreeGenerationConfig
 from transformers_specblock.generation.adaptation import online_adapter_for
 from transformers_specblock.generation import auto_choosers
 from transformers_specblock.generation.auto_choosers import auto_budget_for
 from transformers_specblock.generation.suffix_cache import suffix_cache_for
+from transformers_specblock.hub.shipped import resolve_drafter_path
 from transformers_specblock.generation.target_cost import _COST_CACHE, COST_CACHE_FILE, measure_target_cost
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -175,15 +177,46 @@ def test_an_older_checkpoint_reads_its_config_json_settings_with_one_warning(tmp
     assert "tree_budget" not in first.config.to_dict()
 
 
+def test_tree_shape_settings_in_an_older_config_json_fill_what_generation_config_json_lacks(tmp_path, caplog):
+    """Written before the tree shape moved to `generation_config.json`: a config.json holding `max_blocks` and
+    `branch_widths` beside a generation_config.json without them. Loading reads them (with the warning), a setting
+    the file has wins, and saving again moves them."""
+    target = make_target(vocab_size=32, seed=9)
+    make_drafter(target, tree_budget=7).save_pretrained(tmp_path)
+    settings = json.loads((tmp_path / "generation_config.json").read_text())
+    for name in ("max_blocks", "branch_widths"):
+        del settings[name]
+    (tmp_path / "generation_config.json").write_text(json.dumps(settings))
+    config = json.loads((tmp_path / "config.json").read_text())
+    old = {"max_blocks": 3, "branch_widths": [1, 2, 3, 0], "tree_budget": 5}
+    (tmp_path / "config.json").write_text(json.dumps({**config, **old}))
+    logging.get_logger("transformers_specblock").warning_once.cache_clear()
+    with caplog.at_level("WARNING"):
+        loaded = SpecBlockDraftModel.from_pretrained(tmp_path)
+    assert (loaded.generation_config.max_blocks, loaded.generation_config.branch_widths) == (3, [1, 2, 3, 0])
+    assert loaded.generation_config.tree_budget == 7  # generation_config.json's own value
+    loaded.save_pretrained(tmp_path / "again")
+    assert not set(json.loads((tmp_path / "again" / "config.json").read_text())) & set(old)
+    again = SpecBlockDraftModel.from_pretrained(tmp_path / "again")
+    assert again.generation_config.drafting_settings() == loaded.generation_config.drafting_settings()
+
+
 def test_the_shipped_drafters_keep_their_decoding_settings():
     expected = {  # what their config.json held before the settings moved
         "tree_budget": "auto", "auto_budget_candidates": [0, 2, 4, 8, 16, 24, 32], "prompt_lookup_num_tokens": 10,
         "ngram_cache_num_tokens": 8, "suffix_cache_num_tokens": 32, "suffix_cache_spec_factor": 4.0,
         "online_adaptation": "off", "auto_budget_warmup_cost": 2.0,
     }  # fmt: skip
-    for cls, name in ((SpecBlockDraftModel, "specblock"), (Eagle3DraftModel, "eagle3")):
-        drafter = cls.from_pretrained(f"{name}-smollm2-135m-instruct")
-        assert drafter.generation_config.drafting_settings(expected) == expected, name
+    shapes = {  # what their config.json held before the tree shape moved
+        "specblock": {"max_blocks": 1, "branch_widths": [2, 4, 6, 4], "max_followups": 4, "tree_policy": "rank"},
+        "eagle3": {"tree_top_k": 4, "tree_depth": 3},
+        "dflash": {"tree_top_k": 8},
+    }
+    for name, shape in shapes.items():
+        drafter = AutoModel.from_pretrained(resolve_drafter_path(f"{name}-smollm2-135m-instruct"))
+        if name != "dflash":
+            assert drafter.generation_config.drafting_settings(expected) == expected, name
+        assert drafter.generation_config.drafting_settings(shape) == shape, name
 
 
 def test_cost_curves_are_kept_on_disk_and_a_new_process_reads_them(tmp_path):

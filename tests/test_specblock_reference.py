@@ -412,7 +412,7 @@ def test_block1_tree_is_the_reference_tree_but_for_slot_0(drafter, manifest):
             expected = harness_widths(logits[0].softmax(-1).max(-1).values.tolist(), classes)
             for slot in range(4):
                 mine, yours = {p for p in ours if len(p) == slot + 1}, {p for p in theirs if len(p) == slot + 1}
-                assert len(yours) == expected[slot] and len(mine) == drafter.config.branch_widths[classes[slot]]
+                assert len(yours) == expected[slot] and len(mine) == drafter.generation_config.branch_widths[classes[slot]]
                 assert mine <= yours if len(mine) <= len(yours) else yours <= mine
                 agree, differ = agree + (mine == yours), differ + (mine != yours)
     finally:
@@ -477,8 +477,7 @@ def test_two_block_trees_share_the_nodes_docs_state(drafter, manifest, one_threa
         for case, scale in enumerate(manifest["followup_rounds"]["lm_head_scales"]):
             p = f"round{case}."
             for followups in (4, 64):
-                drafter.config.max_followups = followups
-                with torch.no_grad():
+                with torch.no_grad(), drafter.tree_settings(max_followups=followups):
                     drafter.lm_head.weight.copy_(head * scale)
                     generator = SpecBlockCandidateGenerator(drafter, tree_budget=90, max_blocks=2)
                     generator.observe(trees[p + "features"][0], trees[p + "input_ids"][0], 1)
@@ -489,7 +488,7 @@ def test_two_block_trees_share_the_nodes_docs_state(drafter, manifest, one_threa
                 shared[case, followups] = len(ours & theirs)
     finally:
         drafter.lm_head.weight.data.copy_(head)
-        drafter.config.rank_feature_top_k, drafter.config.max_followups = 20, 4
+        drafter.config.rank_feature_top_k = 20
     assert shared == {(0, 4): 39, (0, 64): 48, (1, 4): 49, (1, 64): 61}
 
 

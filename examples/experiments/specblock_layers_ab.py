@@ -12,6 +12,7 @@ widths, free candidates, the auto ladder): the two differ in their weights and a
 from __future__ import annotations
 
 import argparse
+import copy
 from pathlib import Path
 
 import torch
@@ -23,9 +24,6 @@ from transformers_specblock.commands.report import write_report
 from transformers_specblock.hub.provenance import describe_device
 from transformers_specblock.hub.shipped import resolve_drafter_path
 
-TREE_SETTINGS = ("tree_budget", "max_blocks", "tree_policy", "branch_widths", "fixed_width", "max_followups",
-                 "prompt_lookup_num_tokens", "ngram_cache_num_tokens", "suffix_cache_num_tokens", "auto_budget_candidates",
-                 "auto_budget_warmup", "auto_budget_explore_interval", "auto_budget_explore_share", "auto_budget_min_gain")
 ALONE = {"tree_budget": 8, "prompt_lookup_num_tokens": 0, "ngram_cache_num_tokens": 0, "suffix_cache_num_tokens": 0}
 
 
@@ -45,8 +43,8 @@ def main() -> None:
     for name, path in (("shipped", args.shipped), ("other", args.other)):
         drafters[name] = AutoModel.from_pretrained(resolve_drafter_path(path), dtype=target.dtype).eval()
         drafters[name].bind_target(target)
-    for setting in TREE_SETTINGS:  # the same trees and free candidates: only weights and architecture differ
-        setattr(drafters["other"].config, setting, getattr(drafters["shipped"].config, setting))
+    # the same trees and free candidates: only weights and architecture differ
+    drafters["other"].generation_config = copy.deepcopy(drafters["shipped"].generation_config)
     methods = []
     for name, drafter in drafters.items():
         layers = drafter.config.num_hidden_layers

@@ -82,7 +82,7 @@ def model_card_from_config(
         datasets=training.get("datasets"),
         license=training.get("license"),
     )
-    tree = {k: getattr(config, k) for k in TREE_SETTINGS if hasattr(config, k)}
+    blocks = {k: getattr(config, k) for k in BLOCK_SETTINGS if hasattr(config, k)}
     reads = (  # a DFlash drafter names decoder layers whose outputs it reads, and uses the target's lm_head
         f"the outputs of target layers {config.target_layer_ids}, its input embedding and its `lm_head`"
         if config.model_type == "dflash_drafter"
@@ -100,7 +100,7 @@ output stays exactly the target's own (greedy) or its distribution (sampling).
 
 - Parameters (without the target embedding): {num_params / 1e6:.1f} M; draft vocabulary
   {getattr(config, "draft_vocab_size", config.vocab_size)} of {config.vocab_size} target tokens.
-- Tree defaults: {json.dumps(tree)}
+- Block settings (`config.json`): {json.dumps(blocks) if blocks else "none (no drafter network)"}
 - Decoding settings (`generation_config.json`; a `generate` keyword overrides one for a call):
   {json.dumps(decoding) if decoding else "the package's defaults"}
 
@@ -119,7 +119,7 @@ output stays exactly the target's own (greedy) or its distribution (sampling).
     return ModelCard(content)
 
 
-TREE_SETTINGS = ("block_size", "max_blocks", "tree_top_k", "tree_depth", "ttt_steps")
+BLOCK_SETTINGS = ("block_size", "ttt_steps")  # tokens one drafter forward proposes / training-time-test unroll
 TRAINING_ORDER = ("command", "sessions", "hardware", "data", "self_distilled", "datasets", "license", "train_steps",
                   "train_tokens", "total_train_tokens", "train_time_minutes", "train_cpu_minutes", "backfilled",
                   "started_from")  # fmt: skip

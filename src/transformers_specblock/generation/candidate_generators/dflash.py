@@ -62,7 +62,7 @@ class DFlashCandidateGenerator(TreeCandidateGenerator):
     ) -> None:  # fmt: skip
         super().__init__(drafter, tree_budget, state)
         config = drafter.config
-        self.top_k = top_k if top_k is not None else config.tree_top_k
+        self.top_k = top_k if top_k is not None else drafter.generation_config.tree_top_k
         self.depth = config.block_size - 1
         if self.top_k < 1 or self.tree_budget < 1:
             raise ValueError(f"Need top_k >= 1 and tree_budget >= 1, got {self.top_k} and {self.tree_budget}.")

@@ -48,9 +48,9 @@ class Eagle3CandidateGenerator(TreeCandidateGenerator):
         state: ServingState | None = None,
     ) -> None:
         super().__init__(drafter, tree_budget, state)
-        config = drafter.config
-        top_k = top_k if top_k is not None else config.tree_top_k
-        self.depth = depth if depth is not None else config.tree_depth
+        config, settings = drafter.config, drafter.generation_config
+        top_k = top_k if top_k is not None else settings.tree_top_k
+        self.depth = depth if depth is not None else settings.tree_depth
         if top_k < 1 or self.depth < 0 or self.tree_budget < 1:
             raise ValueError(
                 f"Need top_k >= 1, depth >= 0 and tree_budget >= 1, got {top_k}, {self.depth}, {self.tree_budget}."

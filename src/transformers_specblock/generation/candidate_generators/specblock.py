@@ -56,17 +56,19 @@ class SpecBlockCandidateGenerator(TreeCandidateGenerator):
         state: ServingState | None = None,
     ) -> None:
         super().__init__(drafter, tree_budget, state)
-        config = drafter.config
+        config, settings = drafter.config, drafter.generation_config
         self.block_size = config.block_size
-        self.max_blocks = max_blocks if max_blocks is not None else config.max_blocks
-        self.tree_policy = tree_policy if tree_policy is not None else config.tree_policy
-        self.max_followups = config.max_followups
-        self.tree_construction = drafter.generation_config.tree_construction
-        self.branch_widths = torch.tensor(config.branch_widths, device=drafter.device)
+        self.max_blocks = max_blocks if max_blocks is not None else settings.max_blocks
+        self.tree_policy = tree_policy if tree_policy is not None else settings.tree_policy
+        self.max_followups = settings.max_followups
+        self.tree_construction = settings.tree_construction
+        self.branch_widths = list(settings.branch_widths)
+        self.fixed_width = settings.fixed_width
+        self.branch_width_table = torch.tensor(self.branch_widths, device=drafter.device)  # [classes]
         # the most candidates a slot can get, known on the host (each block takes this many, then masks)
-        widest = config.fixed_width if self.tree_policy == "fixed" else max(config.branch_widths)
+        widest = self.fixed_width if self.tree_policy == "fixed" else max(self.branch_widths)
         if self.tree_construction == "reference":  # slot 0 of block 1 may take the harness's beam width
-            widest = max(max(config.branch_widths), REFERENCE_BEAM_WIDTH)
+            widest = max(max(self.branch_widths), REFERENCE_BEAM_WIDTH)
         self.max_width = max(1, min(widest, config.draft_vocab_size))
         self.cache = DynamicCache()
         self.committed_entries = 0
@@ -231,8 +233,8 @@ class SpecBlockCandidateGenerator(TreeCandidateGenerator):
     def _widths(self, rank_logits: torch.Tensor) -> torch.Tensor:
         """[B, K, C] rank logits -> [B, K] candidates per slot (0 = end the branch here)."""
         if self.tree_policy == "fixed":
-            return torch.full(rank_logits.shape[:2], self.drafter.config.fixed_width, device=rank_logits.device)
-        return self.branch_widths.to(rank_logits.device)[rank_logits.argmax(-1)]
+            return torch.full(rank_logits.shape[:2], self.fixed_width, device=rank_logits.device)
+        return self.branch_width_table.to(rank_logits.device)[rank_logits.argmax(-1)]
 
     def _expand(self, tree: HostTree, rnd: _Round) -> list[tuple[int, int, int, bool]]:
         """Add every block's nodes: per slot its top `width` candidates while every earlier slot had one (a width-0

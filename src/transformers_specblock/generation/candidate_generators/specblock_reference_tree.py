@@ -61,7 +61,7 @@ def grow_reference_tree(generator: SpecBlockCandidateGenerator) -> HostTree:
     `tree_budget`, equal siblings merged."""
     start = time.perf_counter()
     k_slots, budget = generator.block_size, generator.tree_budget
-    branch_widths = generator.drafter.config.branch_widths
+    branch_widths = generator.branch_widths
     tree = HostTree.root_only()
     rnd = generator._read_round(*generator.root_block, [0], numpy.zeros((1, 0), dtype=bool))
     chain = _greedy_chain(tree, rnd, 0, 0)

@@ -29,7 +29,8 @@ class DFlashConfig(TreeDrafterConfig):
     and to the fused target context (`fc` over the hidden states of `target_layer_ids`, then RMSNorm), injected as
     keys / values into every drafter layer; the target's `lm_head` reads the outputs. The same drafter runs in
     transformers' `generate(..., speculation_type="dflash")` (a chain) and in this package's tree loop (a best-first
-    tree over the per-position candidates, DDTree-style).
+    tree over the per-position candidates, DDTree-style; its `tree_top_k` candidates per position are a decoding
+    setting of the drafter's `generation_config`).
 
     Unlike the other drafters, `target_layer_ids` follows DFlash and transformers: zero-based decoder layer ids whose
     output is read (`hidden_states[i + 1]`), any number of them (`feature_layers` gives the hidden-states indices).
@@ -38,7 +39,6 @@ class DFlashConfig(TreeDrafterConfig):
         block_size: Anchor + masked positions per drafter forward (16 in the published drafters); a tree is at most
             `block_size - 1` deep.
         mask_token_id: Target token id whose (target) embedding marks a masked position. Required.
-        tree_top_k: Candidates per block position the best-first tree may use.
         loss_decay_gamma: Training weight of block offset k >= 1 is exp(-(k - 1) / gamma) (0 = no decay).
         num_anchors: Training blocks per sequence (anchors sampled without replacement among the supervised
             positions, re-drawn every step).
@@ -54,7 +54,6 @@ class DFlashConfig(TreeDrafterConfig):
         target_layer_ids: list[int] | None = None,
         block_size: int = 16,
         mask_token_id: int | None = None,
-        tree_top_k: int = 8,
         loss_decay_gamma: float = 7.0,
         num_anchors: int = 32,
         layer_types: list[str] | None = None,
@@ -62,7 +61,6 @@ class DFlashConfig(TreeDrafterConfig):
     ) -> None:
         self.block_size = block_size
         self.mask_token_id = mask_token_id
-        self.tree_top_k = tree_top_k
         self.loss_decay_gamma = loss_decay_gamma
         self.num_anchors = num_anchors
         self.layer_types = list(layer_types) if layer_types is not None else ["full_attention"] * num_hidden_layers
@@ -79,11 +77,6 @@ class DFlashConfig(TreeDrafterConfig):
     def feature_layers(self) -> list[int]:
         """Indices into the target's `hidden_states` tuple: the outputs of the `target_layer_ids` layers."""
         return [i + 1 for i in self.target_layer_ids]
-
-    @property
-    def max_tree_size(self) -> int:
-        """The most drafted nodes one block can propose (`tree_top_k` per position over `block_size - 1` levels)."""
-        return max_tree_nodes(self.block_size - 1, self.tree_top_k)
 
     def _validate_target_layer_ids(self) -> None:
         ids, layers = self.target_layer_ids, self.target_num_hidden_layers
@@ -118,8 +111,6 @@ class DFlashConfig(TreeDrafterConfig):
                 f"layer_types must be 'full_attention' for each of the {self.num_hidden_layers} layers (sliding-window "
                 f"DFlash layers are not supported), got {self.layer_types}."
             )
-        if not isinstance(self.tree_top_k, int) or self.tree_top_k < 1:
-            raise ValueError(f"tree_top_k must be a positive int, got {self.tree_top_k!r}.")
         if self.loss_decay_gamma < 0:
             raise ValueError(f"loss_decay_gamma must be >= 0 (0 = no decay), got {self.loss_decay_gamma}.")
         if not isinstance(self.num_anchors, int) or self.num_anchors < 1:

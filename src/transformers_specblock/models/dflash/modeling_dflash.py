@@ -38,7 +38,7 @@ from ...utils import additive_mask
 from ..tree_drafter.checkpoint_io import PublishedCheckpointMixin
 from ..tree_drafter.generation_config import AUTO, TreeGenerationConfig
 from ..tree_drafter.modeling_tree_drafter import TreeDraftModel, _execution_device
-from .configuration_dflash import DFlashConfig
+from .configuration_dflash import DFlashConfig, max_tree_nodes
 from .convert_dflash import convert_published_dflash, detect_dflash_layout, export_dflash
 
 __all__ = ["DFlashAttention", "DFlashDecoderLayer", "DFlashDraftModel"]
@@ -144,6 +144,7 @@ class DFlashDraftModel(PublishedCheckpointMixin, TreeDraftModel):
     detect_published_layout = staticmethod(detect_dflash_layout)
     convert_published = staticmethod(convert_published_dflash)
     checkpoint_writers = {"dflash": export_dflash}
+    generation_defaults = {"tree_top_k": 8}  # candidates per block position
     main_input_name = "noise_embeds"
     _no_split_modules = ["DFlashDecoderLayer"]
     _unpickled_attributes = (*TreeDraftModel._unpickled_attributes, "_target_lm_head")
@@ -165,11 +166,12 @@ class DFlashDraftModel(PublishedCheckpointMixin, TreeDraftModel):
         super().check_drafting_settings(settings)
         budget = settings.tree_budget
         largest = max(settings.auto_budget_candidates) if budget == AUTO else budget
-        if largest > self.config.max_tree_size:
+        most = max_tree_nodes(self.config.block_size - 1, settings.tree_top_k)
+        if largest > most:
             raise ValueError(
-                f"tree budget {largest} exceeds the {self.config.max_tree_size} nodes a block of "
-                f"{self.config.block_size} (depth {self.config.block_size - 1}) with "
-                f"tree_top_k={self.config.tree_top_k} can hold: raise block_size or tree_top_k, or lower the budget."
+                f"tree budget {largest} exceeds the {most} nodes a block of {self.config.block_size} (depth "
+                f"{self.config.block_size - 1}) with tree_top_k={settings.tree_top_k} can hold: raise block_size or "
+                "tree_top_k, or lower the budget."
             )
 
     def bind_target(self, target: PreTrainedModel, place: bool = True) -> None:

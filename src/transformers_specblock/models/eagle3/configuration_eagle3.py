@@ -14,13 +14,11 @@ class Eagle3Config(TreeDrafterConfig):
     layer whose attention reads concat(RMSNorm(target token embedding), RMSNorm(hidden)), and predicts the next token
     over a reduced draft vocabulary. At inference it grows a dynamic top-k tree (one drafter forward per depth level)
     that the target verifies in one forward of at most `tree_budget` drafted nodes. The target, decoder, draft
-    vocabulary settings are [`TreeDrafterConfig`]'s (EAGLE-3 has exactly one decoder layer); its decoding settings
-    are its `generation_config`'s (`TreeGenerationConfig`; the default budget is EAGLE's 59 = `total_tokens - 1`).
+    vocabulary settings are [`TreeDrafterConfig`]'s (EAGLE-3 has exactly one decoder layer); its decoding settings,
+    the tree's `tree_top_k` and `tree_depth` among them, are its `generation_config`'s (`TreeGenerationConfig`; the
+    default budget is EAGLE's 59 = `total_tokens - 1`).
 
     Args:
-        tree_top_k: Children kept per expanded node and frontier width per depth level (EAGLE default 10).
-        tree_depth: Expansion rounds after the root's top-k (one drafter forward each; EAGLE default 7), so the tree
-            is at most `tree_depth + 1` levels deep.
         ttt_steps: Training-time-test unroll length (EAGLE-3: 7).
         ttt_decay: Weight decay per unroll step of the training loss (step s weighs `ttt_decay ** s`).
         own_token_embedding: The drafter holds its own token embedding `embed_tokens` [vocab_size, hidden_size]
@@ -37,8 +35,6 @@ class Eagle3Config(TreeDrafterConfig):
     def __init__(
         self,
         num_hidden_layers: int = 1,
-        tree_top_k: int = 10,
-        tree_depth: int = 7,
         ttt_steps: int = 7,
         ttt_decay: float = 0.8,
         own_token_embedding: bool = False,
@@ -51,8 +47,6 @@ class Eagle3Config(TreeDrafterConfig):
         self.norm_before_residual = norm_before_residual
         self.fc_norm = fc_norm
         self.norm_output = norm_output
-        self.tree_top_k = tree_top_k
-        self.tree_depth = tree_depth
         self.ttt_steps = ttt_steps
         self.ttt_decay = ttt_decay
         super().__init__(num_hidden_layers=num_hidden_layers, **kwargs)
@@ -69,10 +63,6 @@ class Eagle3Config(TreeDrafterConfig):
             raise ValueError(
                 f"An EAGLE-3 drafter has exactly one decoder layer, got num_hidden_layers={self.num_hidden_layers}."
             )
-        if not isinstance(self.tree_top_k, int) or self.tree_top_k < 1:
-            raise ValueError(f"tree_top_k must be a positive int, got {self.tree_top_k!r}.")
-        if not isinstance(self.tree_depth, int) or self.tree_depth < 0:
-            raise ValueError(f"tree_depth must be an int >= 0, got {self.tree_depth!r}.")
         if not isinstance(self.ttt_steps, int) or self.ttt_steps < 1:
             raise ValueError(f"ttt_steps must be a positive int, got {self.ttt_steps!r}.")
         if not 0.0 < self.ttt_decay <= 1.0:

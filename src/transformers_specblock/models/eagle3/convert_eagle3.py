@@ -307,7 +307,7 @@ def export_speculators(drafter: Any, folder: str | os.PathLike) -> None:
         "eagle_aux_hidden_state_layer_ids": layer_ids_in_range["eagle_aux_hidden_state_layer_ids"],
         "speculators_config": {
             "algorithm": "eagle3",
-            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": min(config.tree_depth + 1, 8)}],
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": min(drafter.generation_config.tree_depth + 1, 8)}],
             "default_proposal_method": "greedy",
             "verifier": {"name_or_path": _verifier_name(config), "architectures": []},
         },

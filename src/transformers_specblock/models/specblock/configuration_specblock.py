@@ -11,22 +11,15 @@ class SpecBlockConfig(TreeDrafterConfig):
     r"""Configuration of a [`SpecBlockDraftModel`].
 
     A SpecBlock drafter reads three hidden states of a frozen target model and, per drafter forward, proposes a block
-    of `block_size` mutually dependent future tokens. Blocks are chained into a token tree (`max_blocks` rounds) that
-    the target verifies in one forward of at most `tree_budget` nodes. The target, decoder, draft vocabulary and
-    tree-budget settings are [`TreeDrafterConfig`]'s (a SpecBlock drafter has 2 decoder layers and
-    `tree_budget="auto"` by default).
+    of `block_size` mutually dependent future tokens. Blocks are chained into a token tree that the target verifies in
+    one forward; how the tree is grown (`max_blocks` rounds, `branch_widths` per rank class, `tree_budget` nodes) is
+    decoding, set in the drafter's `generation_config` (`TreeGenerationConfig`). The target, decoder and draft
+    vocabulary settings are [`TreeDrafterConfig`]'s (a SpecBlock drafter has 2 decoder layers by default).
 
     Args:
         block_size: K, the number of slots (future tokens) one drafter forward proposes per position.
         rank_bucket_upper_bounds: Upper rank bound of every rank-head class but the last; the default (1, 4, 10) gives
             the classes rank 1 / 2-4 / 5-10 / >10.
-        branch_widths: Candidates drafted at a slot (greedy token included) per predicted rank class; 0 ends the
-            branch at that slot. The default (2, 4, 6, 4) is the method's tuned widths: (2, 4, 6, 0), where class 3
-            (rank > 10) gives up, drafts almost nothing with a young drafter (docs/training.md).
-        tree_policy: "rank" (rank-guided widths) or "fixed" (`fixed_width` candidates at every slot; an ablation).
-        fixed_width: Candidates per slot when `tree_policy="fixed"`.
-        max_blocks: Block rounds per iteration (1 = block 1 only).
-        max_followups: Follow-up blocks drafted per round at most (all in one batched drafter forward).
         prefill_chunk_size: Prompt positions the drafter reads per forward (it keeps K entries per position, so a
             long prompt in one forward would need a (P*K)^2 mask); the result does not depend on it.
         rank_head_hidden_size: Hidden width of the rank head MLP.
@@ -51,11 +44,6 @@ class SpecBlockConfig(TreeDrafterConfig):
         num_hidden_layers: int = 2,
         block_size: int = 4,
         rank_bucket_upper_bounds: list[int] | tuple[int, ...] = (1, 4, 10),
-        branch_widths: list[int] | tuple[int, ...] = (2, 4, 6, 4),
-        tree_policy: str = "rank",
-        fixed_width: int = 3,
-        max_blocks: int = 2,
-        max_followups: int = 4,
         prefill_chunk_size: int = 256,
         rank_head_hidden_size: int = 256,
         fusion_identity_init: bool = False,
@@ -71,11 +59,6 @@ class SpecBlockConfig(TreeDrafterConfig):
         self.rank_top1_over_vocab = rank_top1_over_vocab
         self.block_size = block_size
         self.rank_bucket_upper_bounds = list(rank_bucket_upper_bounds)
-        self.branch_widths = list(branch_widths)
-        self.tree_policy = tree_policy
-        self.fixed_width = fixed_width
-        self.max_blocks = max_blocks
-        self.max_followups = max_followups
         self.prefill_chunk_size = prefill_chunk_size
         self.rank_head_hidden_size = rank_head_hidden_size
         self.fusion_identity_init = fusion_identity_init
@@ -90,23 +73,9 @@ class SpecBlockConfig(TreeDrafterConfig):
         super().validate_settings()
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}.")
-        if self.max_blocks < 1:
-            raise ValueError(f"max_blocks must be >= 1, got {self.max_blocks}.")
-        if len(self.branch_widths) != self.num_rank_classes:
-            raise ValueError(
-                f"branch_widths needs one width per rank class ({self.num_rank_classes}), got {self.branch_widths}."
-            )
-        if any(not 0 <= w <= self.draft_vocab_size for w in self.branch_widths):
-            raise ValueError(
-                f"branch_widths must lie in [0, draft_vocab_size={self.draft_vocab_size}], got {self.branch_widths}."
-            )
-        if not 1 <= self.fixed_width <= self.draft_vocab_size:
-            raise ValueError(f"fixed_width must lie in [1, draft_vocab_size={self.draft_vocab_size}], got {self.fixed_width}.")
         bounds = self.rank_bucket_upper_bounds
         if not bounds or bounds[0] < 1 or any(b <= a for a, b in zip(bounds, bounds[1:])):
             raise ValueError(f"rank_bucket_upper_bounds must be increasing ranks >= 1, got {bounds}.")
-        if self.max_followups < 1:
-            raise ValueError(f"max_followups must be >= 1, got {self.max_followups}.")
         if self.prefill_chunk_size < 1:
             raise ValueError(f"prefill_chunk_size must be >= 1, got {self.prefill_chunk_size}.")
         if not isinstance(self.rank_feature_top_k, int) or self.rank_feature_top_k < 10:
@@ -116,5 +85,3 @@ class SpecBlockConfig(TreeDrafterConfig):
             )
         if self.followup_positions not in ("start_node", "block1"):
             raise ValueError(f'followup_positions must be "start_node" or "block1", got {self.followup_positions!r}.')
-        if self.tree_policy not in ("rank", "fixed"):
-            raise ValueError(f"tree_policy must be 'rank' or 'fixed', got {self.tree_policy!r}.")

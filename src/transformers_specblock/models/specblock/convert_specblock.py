@@ -100,7 +100,6 @@ def specblock_config_from(
         max_position_embeddings=config.get("max_position_embeddings", 8192),
         draft_vocab_size=config.get("draft_vocab_size", 32000),
         block_size=config.get("diffspec_draft_token_num", 7),
-        max_blocks=config.get("num_ttt_blocks", 3),
         rank_bucket_upper_bounds=REFERENCE_RANK_BOUNDS,
         rank_head_hidden_size=REFERENCE_RANK_HIDDEN,
         rank_head_bias=False,
@@ -134,6 +133,11 @@ def _vocab_mapping(
                 "would use vocab_mapping.pt. Remove the one that is stale."
             )
     return mapping["d2t"], mapping["t2d"]
+
+
+def reference_drafting_settings(config: dict[str, Any]) -> dict[str, Any]:
+    """The decoding settings a reference `config.json` describes: its block rounds (`num_ttt_blocks`)."""
+    return {"max_blocks": config.get("num_ttt_blocks", 3)}
 
 
 def convert_published_specblock(
@@ -220,7 +224,7 @@ def export_specblock_reference(drafter: Any, folder: str | os.PathLike) -> None:
         "draft_vocab_size": config.draft_vocab_size,
         "diffspec_draft_token_num": config.block_size,
         "rank_classes": config.num_rank_classes,
-        "num_ttt_blocks": config.max_blocks,
+        "num_ttt_blocks": drafter.generation_config.max_blocks,
         "tie_word_embeddings": False,
         "torch_dtype": str(drafter.dtype).removeprefix("torch."),
         "bos_token_id": config.bos_token_id,

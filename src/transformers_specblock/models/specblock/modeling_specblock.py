@@ -18,7 +18,12 @@ from ..tree_drafter.checkpoint_io import PublishedCheckpointMixin
 from ..tree_drafter.generation_config import TreeGenerationConfig
 from ..tree_drafter.modeling_tree_drafter import TreeDraftModel
 from .configuration_specblock import SpecBlockConfig
-from .convert_specblock import convert_published_specblock, detect_specblock_layout, export_specblock_reference
+from .convert_specblock import (
+    convert_published_specblock,
+    detect_specblock_layout,
+    export_specblock_reference,
+    reference_drafting_settings,
+)
 
 NUM_RANK_FEATURES = 15
 
@@ -105,6 +110,7 @@ class SpecBlockPreTrainedModel(PublishedCheckpointMixin, TreeDraftModel):
     # the SpecBlock reference layout in and out: see `convert_specblock`
     detect_published_layout = staticmethod(detect_specblock_layout)
     convert_published = staticmethod(convert_published_specblock)
+    published_drafting_settings = staticmethod(reference_drafting_settings)
     checkpoint_writers = {"specblock_reference": export_specblock_reference}
     config: SpecBlockConfig
     base_model_prefix = "specblock"
@@ -136,8 +142,17 @@ class SpecBlockDraftModel(SpecBlockPreTrainedModel):
     tree_constructions = ("package", "reference")  # "reference": `specblock_reference_tree`
 
     def check_drafting_settings(self, settings: TreeGenerationConfig) -> None:
-        """Reference-built trees are not online-adapted (their nodes are merged after drafting)."""
+        """One branch width per rank class, every width within the draft vocabulary; reference-built trees are not
+        online-adapted (their nodes are merged after drafting)."""
         super().check_drafting_settings(settings)
+        classes, vocab = self.config.num_rank_classes, self.config.draft_vocab_size
+        if len(settings.branch_widths) != classes or max(settings.branch_widths) > vocab:
+            raise ValueError(
+                f"branch_widths needs one width in [0, draft_vocab_size={vocab}] per rank class of this drafter "
+                f"({classes}), got {settings.branch_widths}."
+            )
+        if settings.fixed_width > vocab:
+            raise ValueError(f"fixed_width must lie in [1, draft_vocab_size={vocab}], got {settings.fixed_width}.")
         if settings.tree_construction == "reference" and settings.online_adaptation != "off":
             raise ValueError('tree_construction="reference" drafts without online adaptation: set online_adaptation="off".')
         if settings.context_feeding == "reference" and settings.online_adaptation != "off":

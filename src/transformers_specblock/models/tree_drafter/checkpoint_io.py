@@ -322,12 +322,14 @@ class PublishedCheckpointMixin:
     """`from_pretrained` / `save_pretrained` of a drafter that also read / write other tools' checkpoint layouts.
 
     A drafter class sets `detect_published_layout` (config dict -> layout name or None), `convert_published`
-    (model class, `PublishedCheckpoint`, target config, config overrides -> (our config, our state dict)) and
+    (model class, `PublishedCheckpoint`, target config, config overrides -> (our config, our state dict)),
+    `published_drafting_settings` (config dict -> the decoding settings it describes, where it describes any) and
     `checkpoint_writers` (`checkpoint_format` name -> writer(drafter, folder)).
     """
 
     detect_published_layout: Callable[[dict[str, Any]], str | None] | None = None
     convert_published: Callable[..., tuple[PretrainedConfig, dict[str, torch.Tensor]]] | None = None
+    published_drafting_settings: Callable[[dict[str, Any]], dict[str, Any]] = staticmethod(lambda config_dict: {})
     checkpoint_writers: dict[str, Callable[[Any, str | os.PathLike], None]] = {}
 
     @classmethod
@@ -385,7 +387,7 @@ class PublishedCheckpointMixin:
         if device is not None:
             model.to(device)
         model.check_draft_vocab()
-        model.set_drafting_settings(**settings)
+        model.set_drafting_settings(**{**cls.published_drafting_settings(config_dict), **settings})
         model.eval()
         if target is not None:
             model.bind_target(target)

@@ -1,8 +1,9 @@
 """Configuration shared by the feature-level tree drafters (SpecBlock, EAGLE-3).
 
 `TreeDrafterConfig` holds what every drafter of a frozen target needs: the target it reads (vocabulary, sizes, the
-three feature layers), the Llama-style decoder settings of its own layers, the draft vocabulary and the tree budget
-(a fixed size or "auto"). Each drafter's config adds its own tree shape and training settings.
+three feature layers), the Llama-style decoder settings of its own layers and the draft vocabulary. Each drafter's
+config adds its own architecture and training settings; how a drafter drafts (tree budget, tree shape, free
+candidates) lives in its `generation_config` (`TreeGenerationConfig`).
 """
 
 from __future__ import annotations
@@ -26,6 +27,16 @@ def default_target_layer_ids(num_target_layers: int) -> list[int]:
     if num_target_layers < 4:
         raise ValueError(f"A feature-level drafter needs a target with at least 4 layers, got {num_target_layers}.")
     return [2, num_target_layers // 2, num_target_layers - 3]
+
+
+def misplaced_setting(name: str) -> str:
+    """What to do instead of reading or setting a decoding setting on a drafter's config."""
+    return (
+        f"{name} is a decoding setting of the drafter's `generation_config` (`TreeGenerationConfig`), not of its "
+        f"config: read it as `drafter.generation_config.{name}`; set it with `drafter.set_drafting_settings({name}=...)`"
+        f", for a block of code with `drafter.tree_settings({name}=...)`, or for one call with `generate(..., "
+        f"{name}=...)`."
+    )
 
 
 class TreeDrafterConfig(PretrainedConfig):
@@ -101,6 +112,16 @@ class TreeDrafterConfig(PretrainedConfig):
         self.legacy_drafting_settings = TreeGenerationConfig(**legacy).drafting_settings(legacy) if legacy else {}
         super().__init__(**kwargs)
         self.validate_settings()
+
+    def __setattr__(self, key: str, value: Any) -> None:
+        if key in DRAFTING_SETTINGS:  # it would be read by nothing
+            raise AttributeError(misplaced_setting(key))
+        super().__setattr__(key, value)
+
+    def __getattr__(self, key: str) -> Any:  # only where the normal lookup failed
+        if key in DRAFTING_SETTINGS:
+            raise AttributeError(misplaced_setting(key))
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {key!r}")
 
     def validate_settings(self) -> None:
         """Raise a ValueError naming the first inconsistent shared setting (subclasses check their own after)."""

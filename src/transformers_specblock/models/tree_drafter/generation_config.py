@@ -1,8 +1,10 @@
 """The decoding and serving settings of a tree drafter: a `GenerationConfig`, saved as `generation_config.json`.
 
 A drafter's config (`TreeDrafterConfig`) describes its architecture and the target it reads; how it drafts (tree
-budget, "auto", free candidates, suffix cache, online adaptation, compiling) lives in its `generation_config`, a
-`TreeGenerationConfig`, as an assistant's decoding settings do in transformers. `generate(..., assistant_model=
+budget, "auto", the shape of its trees, free candidates, suffix cache, online adaptation, compiling) lives in its
+`generation_config`, a `TreeGenerationConfig`, as an assistant's decoding settings do in transformers. Like
+transformers' `GenerationConfig` (whose `num_beams` only beam search reads), one class holds every drafter's settings:
+each drafter reads the tree-shape settings that apply to it. `generate(..., assistant_model=
 drafter, tree_budget=16)` overrides a setting for one call; `drafter.tree_settings(tree_budget=16)` for a block.
 """
 
@@ -25,11 +27,20 @@ ADAPTATION_POLICIES = ("off", "always", "head_only", "full", "bandit")
 TREE_CONSTRUCTIONS = ("package", "reference")
 # how a drafter reads the committed context: this package's way, or as the drafter's reference harness does (SpecBlock)
 CONTEXT_FEEDINGS = ("package", "reference")
+# how SpecBlock gives each slot its candidates: by the rank head's predicted class, or a fixed width (an ablation)
+TREE_POLICIES = ("rank", "fixed")
 # name -> default of every drafting setting (`TreeGenerationConfig`)
 DRAFTING_DEFAULTS: dict[str, Any] = {
     "tree_budget": AUTO,
     "tree_construction": "package",
     "context_feeding": "package",
+    "max_blocks": 2,
+    "max_followups": 4,
+    "branch_widths": [2, 4, 6, 4],
+    "tree_policy": "rank",
+    "fixed_width": 3,
+    "tree_top_k": 10,
+    "tree_depth": 7,
     "auto_budget_candidates": list(DEFAULT_CANDIDATES),
     "auto_budget_warmup": 8,
     "auto_budget_warmup_cost": DEFAULT_WARMUP_COST,
@@ -58,6 +69,7 @@ DRAFTING_DEFAULTS: dict[str, Any] = {
     "compile_drafter": False,
 }
 DRAFTING_SETTINGS = tuple(DRAFTING_DEFAULTS)
+LIST_SETTINGS = ("auto_budget_candidates", "branch_widths")  # kept as lists (JSON reads a tuple back as a list)
 
 
 def check_tree_budget(value: int | str) -> None:
@@ -94,6 +106,20 @@ class TreeGenerationConfig(GenerationConfig):
             with the tokens one further, the bonus token twice; rotary positions counted as the harness counts them).
             It reproduces that harness's decoding step for step (docs/design.md: its measured effect on tau) and
             needs a fixed `tree_budget`; a drafter without a reference harness refuses it.
+        Tree shape, SpecBlock:
+        max_blocks: Block rounds per iteration (1 = block 1 only; each further round is one batched drafter forward).
+        max_followups: Follow-up blocks drafted per round at most (all in one batched drafter forward).
+        branch_widths: Candidates drafted at a slot (greedy token included) per predicted rank class, one width per
+            class of the drafter's rank head; 0 ends the branch at that slot. The default (2, 4, 6, 4) is the
+            method's tuned widths: (2, 4, 6, 0), where class 3 (rank > 10) gives up, drafts almost nothing with a
+            young drafter (docs/training.md).
+        tree_policy: "rank" (rank-guided widths) or "fixed" (`fixed_width` candidates at every slot; an ablation).
+        fixed_width: Candidates per slot when `tree_policy="fixed"`.
+        Tree shape, EAGLE-3 and DFlash:
+        tree_top_k: EAGLE-3: children kept per expanded node and frontier width per depth level (EAGLE's default
+            10). DFlash: candidates per block position the best-first tree may use (its drafters' default 8).
+        tree_depth: EAGLE-3: expansion rounds after the root's top-k (one drafter forward each; EAGLE's default 7),
+            so a tree is at most `tree_depth + 1` levels deep.
         auto_budget_warmup_cost: With tree_budget="auto", the warm-up drafts with the largest candidate whose tree
             the target verifies for at most this many plain steps, by the measured cost curve (on a GPU the largest
             candidate; on a CPU, where a large tree costs several steps, a smaller one, so a first call does not pay
@@ -160,7 +186,7 @@ class TreeGenerationConfig(GenerationConfig):
         settings = {name: kwargs.pop(name, default) for name, default in DRAFTING_DEFAULTS.items()}
         super().__init__(**kwargs)
         for name, value in settings.items():
-            setattr(self, name, list(value) if name == "auto_budget_candidates" else value)
+            setattr(self, name, list(value) if name in LIST_SETTINGS else value)
         self.validate_settings()
 
     def drafting_settings(self, names: Any = DRAFTING_SETTINGS) -> dict[str, Any]:
@@ -197,8 +223,24 @@ class TreeGenerationConfig(GenerationConfig):
         for name in ("compile_drafter", "auto_budget_cost_cache"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}.")
+        self._validate_tree_shape_settings()
         self._validate_lookup_settings()
         self._validate_adaptation_settings()
+
+    def _validate_tree_shape_settings(self) -> None:
+        """The checks that need no drafter (a drafter checks `branch_widths` against its rank classes and vocabulary)."""
+        least = {"max_blocks": 1, "max_followups": 1, "fixed_width": 1, "tree_top_k": 1, "tree_depth": 0}
+        for name, smallest in least.items():
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < smallest:
+                raise ValueError(f"{name} must be an int >= {smallest}, got {value!r}.")
+        if self.tree_policy not in TREE_POLICIES:
+            raise ValueError(f"tree_policy must be one of {TREE_POLICIES}, got {self.tree_policy!r}.")
+        widths = self.branch_widths
+        if not isinstance(widths, (list, tuple)) or not widths or any(
+            not isinstance(w, int) or isinstance(w, bool) or w < 0 for w in widths
+        ):
+            raise ValueError(f"branch_widths must be a non-empty list of ints >= 0, got {widths!r}.")
 
     def _validate_lookup_settings(self) -> None:
         counts = {

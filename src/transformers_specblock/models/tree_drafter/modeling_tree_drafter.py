@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import os
 import weakref
 from collections.abc import Iterator
@@ -15,7 +14,6 @@ from torch import nn
 from transformers import PreTrainedModel
 from transformers import initialization as init
 from transformers.generation import GenerationMixin
-from transformers.utils import logging
 
 from ...hub.modelcard import build_model_card
 from ...hub.provenance import resolve_base_model_id
@@ -23,11 +21,9 @@ from ...hub.shipped import resolve_drafter_path
 from ...utils import PATCH_FREE_ROUTE, SUPPORTED_TRANSFORMERS
 from .checkpoint_io import split_hub_kwargs
 from .configuration_tree_drafter import TreeDrafterConfig
-from .generation_config import DRAFTING_SETTINGS, TreeGenerationConfig
+from .drafting_settings import DraftingSettingsMixin
+from .generation_config import DRAFTING_SETTINGS
 from .serving_state import ServingState, ServingStates
-
-
-logger = logging.get_logger(__name__)
 
 
 def training_stat_names(num_slots: int) -> list[str]:
@@ -43,7 +39,7 @@ def training_stat_names(num_slots: int) -> list[str]:
     )
 
 
-class TreeDraftModel(PreTrainedModel):
+class TreeDraftModel(DraftingSettingsMixin, PreTrainedModel):
     """A drafter that reads a frozen target's hidden states and proposes token trees.
 
     Its config names the target it was built for (`vocab_size`, `target_hidden_size`, `target_num_hidden_layers`,
@@ -61,10 +57,6 @@ class TreeDraftModel(PreTrainedModel):
 
     # plain attributes that reference the bound target (weakly) or cache derived tensors: not copied or pickled
     _unpickled_attributes = ("_target_embedding", "_slot_inputs")
-    # this drafter class's decoding defaults, over `TreeGenerationConfig`'s (a checkpoint without
-    # generation_config.json gets them)
-    generation_defaults: dict[str, Any] = {}
-    tree_constructions: tuple[str, ...] = ("package",)  # the `tree_construction` values this drafter can draft with
 
     def __init__(self, config, *args: Any, **kwargs: Any) -> None:
         super().__init__(config, *args, **kwargs)
@@ -76,31 +68,6 @@ class TreeDraftModel(PreTrainedModel):
         # draft id -> target id, and which target ids the draft vocabulary holds (saved with the weights)
         self.register_buffer("d2t", torch.arange(config.draft_vocab_size), persistent=True)
         self.register_buffer("t2d", torch.arange(config.vocab_size) < config.draft_vocab_size, persistent=True)
-
-    @classmethod
-    def default_generation_config(cls, config: TreeDrafterConfig) -> TreeGenerationConfig:
-        """The decoding settings of a drafter with no `generation_config.json`: this class's defaults, then the
-        decoding settings an older `config.json` still holds (read once, with a deprecation warning)."""
-        legacy = getattr(config, "legacy_drafting_settings", None) or {}
-        if legacy:
-            logger.warning_once(
-                f"{sorted(legacy)} in a drafter's config.json are decoding settings, read into its `generation_config` "
-                "(saved as generation_config.json). Save the drafter again to move them there; config.json keys will "
-                "not be read in a future version."
-            )
-        return TreeGenerationConfig(**{**cls.generation_defaults, **legacy})
-
-    def check_drafting_settings(self, settings: TreeGenerationConfig) -> None:
-        """Raise a ValueError naming the first setting of `settings` this drafter cannot draft with (subclasses add
-        their own checks)."""
-        settings.validate_settings()
-        if settings.tree_construction not in self.tree_constructions:
-            raise ValueError(
-                f"{type(self).__name__} grows trees with tree_construction in {self.tree_constructions}, "
-                f"got {settings.tree_construction!r}."
-            )
-        if settings.context_feeding != "package" and "reference" not in self.tree_constructions:
-            raise ValueError(f'{type(self).__name__} has no reference harness: context_feeding must be "package".')
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
@@ -120,18 +87,6 @@ class TreeDraftModel(PreTrainedModel):
         drafter.set_drafting_settings(**settings)
         drafter.bind_target(target)
         return drafter
-
-    def set_drafting_settings(self, **settings: Any) -> None:
-        """Change decoding settings of `generation_config` for good (validated; `tree_settings` changes them for a
-        block of code, `generate(..., <name>=value)` for one call)."""
-        unknown = sorted(set(settings) - set(DRAFTING_SETTINGS))
-        if unknown:
-            raise ValueError(f"{unknown} are not decoding settings; known: {list(DRAFTING_SETTINGS)}.")
-        updated = copy.deepcopy(self.generation_config)
-        for name, value in settings.items():
-            setattr(updated, name, value)
-        self.check_drafting_settings(updated)
-        self.generation_config = updated
 
     @classmethod
     def from_pretrained(
@@ -164,15 +119,6 @@ class TreeDraftModel(PreTrainedModel):
         loaded.load_generation_config(path, **hub_kwargs)
         loaded.set_drafting_settings(**settings)
         return model
-
-    def load_generation_config(self, pretrained_model_name_or_path: Any, **hub_kwargs: Any) -> None:
-        """Read the drafter's `generation_config.json` where the checkpoint has one (older checkpoints and published
-        layouts keep `default_generation_config`)."""
-        try:
-            self.generation_config = TreeGenerationConfig.from_pretrained(pretrained_model_name_or_path, **hub_kwargs)
-        except OSError:  # no generation_config.json
-            return
-        self.check_drafting_settings(self.generation_config)
 
     def check_draft_vocab(self) -> None:
         """Raise a ValueError unless `d2t` holds `draft_vocab_size` distinct target ids and `t2d` marks exactly them
@@ -241,30 +187,6 @@ class TreeDraftModel(PreTrainedModel):
             with torch.no_grad():
                 for name, param in self.named_parameters():
                     param.copy_(adapted[name])
-
-    @contextmanager
-    def tree_settings(self, **settings: Any) -> Iterator["TreeDraftModel"]:
-        """Temporarily change decoding settings (`generation_config`) or tree-shape settings of the config, e.g.
-        `with drafter.tree_settings(tree_budget=16, max_blocks=1): ...`; both are restored on exit."""
-        decoding = {name: value for name, value in settings.items() if name in DRAFTING_SETTINGS}
-        shape = {name: value for name, value in settings.items() if name not in decoding}
-        unknown = [name for name in shape if not hasattr(self.config, name)]
-        if unknown:
-            raise ValueError(f"{type(self.config).__name__} has no setting(s) {unknown}.")
-        saved_generation_config = self.generation_config
-        saved = {name: getattr(self.config, name) for name in shape}
-        try:
-            if decoding:
-                self.set_drafting_settings(**decoding)
-            for name, value in shape.items():
-                setattr(self.config, name, value)
-            self.config.validate_settings()
-            self.check_drafting_settings(self.generation_config)
-            yield self
-        finally:
-            self.generation_config = saved_generation_config
-            for name, value in saved.items():
-                setattr(self.config, name, value)
 
     def check_target(self, target: PreTrainedModel) -> None:
         """Raise a ValueError naming both values if `target` is not the model this drafter was built for."""
