@@ -72,9 +72,14 @@ DRAFTING_SETTINGS = tuple(DRAFTING_DEFAULTS)
 LIST_SETTINGS = ("auto_budget_candidates", "branch_widths")  # kept as lists (JSON reads a tuple back as a list)
 
 
+def is_count(value: Any, least: int) -> bool:
+    """`value` is an int (not a bool) >= `least`."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= least
+
+
 def check_tree_budget(value: int | str) -> None:
     """A tree budget is a positive int or "auto"."""
-    if value != AUTO and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+    if value != AUTO and not is_count(value, 1):
         raise ValueError(f'tree_budget must be a positive int or "auto", got {value!r}.')
 
 
@@ -82,6 +87,13 @@ def check_number(name: str, value: Any, valid: Callable[[float], bool], expected
     """Raise a ValueError unless `value` is an int or float (not a bool) that is `valid`."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not valid(value):
         raise ValueError(f"{name} must be {kind} {expected}, got {value!r}.")
+
+
+def check_count(name: str, value: Any, least: int) -> None:
+    """Raise a ValueError unless `value` is an int (not a bool) >= `least` (0 reads "off")."""
+    if not is_count(value, least):
+        off = " (0 = off)" if least == 0 else ""
+        raise ValueError(f"{name} must be an int >= {least}{off}, got {value!r}.")
 
 
 class TreeGenerationConfig(GenerationConfig):
@@ -207,16 +219,12 @@ class TreeGenerationConfig(GenerationConfig):
         if self.context_feeding == "reference" and self.tree_budget == AUTO:
             raise ValueError('context_feeding="reference" reads every step as the reference harness does: set a fixed '
                              "tree_budget (not \"auto\", which may skip steps).")
-        if not self.auto_budget_candidates or any(
-            not isinstance(b, int) or isinstance(b, bool) or b < 0 for b in self.auto_budget_candidates
-        ):
+        if not self.auto_budget_candidates or not all(is_count(b, 0) for b in self.auto_budget_candidates):
             raise ValueError(
                 "auto_budget_candidates must be a non-empty list of ints >= 0 (0 = do not speculate), got "
                 f"{self.auto_budget_candidates}."
             )
-        interval = self.auto_budget_explore_interval
-        if not isinstance(interval, int) or isinstance(interval, bool) or interval < 1:
-            raise ValueError(f"auto_budget_explore_interval must be an int >= 1, got {interval!r}.")
+        check_count("auto_budget_explore_interval", self.auto_budget_explore_interval, 1)
         check_number("auto_budget_explore_share", self.auto_budget_explore_share, lambda x: 0 < x <= 1, "in (0, 1]")
         check_number("auto_budget_warmup_cost", self.auto_budget_warmup_cost, lambda x: x >= 1, ">= 1")
         check_number("auto_budget_min_gain", self.auto_budget_min_gain, lambda x: x >= 0, ">= 0")
@@ -231,15 +239,11 @@ class TreeGenerationConfig(GenerationConfig):
         """The checks that need no drafter (a drafter checks `branch_widths` against its rank classes and vocabulary)."""
         least = {"max_blocks": 1, "max_followups": 1, "fixed_width": 1, "tree_top_k": 1, "tree_depth": 0}
         for name, smallest in least.items():
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < smallest:
-                raise ValueError(f"{name} must be an int >= {smallest}, got {value!r}.")
+            check_count(name, getattr(self, name), smallest)
         if self.tree_policy not in TREE_POLICIES:
             raise ValueError(f"tree_policy must be one of {TREE_POLICIES}, got {self.tree_policy!r}.")
         widths = self.branch_widths
-        if not isinstance(widths, (list, tuple)) or not widths or any(
-            not isinstance(w, int) or isinstance(w, bool) or w < 0 for w in widths
-        ):
+        if not isinstance(widths, (list, tuple)) or not widths or not all(is_count(w, 0) for w in widths):
             raise ValueError(f"branch_widths must be a non-empty list of ints >= 0, got {widths!r}.")
 
     def _validate_lookup_settings(self) -> None:
@@ -256,9 +260,7 @@ class TreeGenerationConfig(GenerationConfig):
             "suffix_cache_max_requests": (self.suffix_cache_max_requests, 1),
         }
         for name, (value, least) in counts.items():
-            if not isinstance(value, int) or isinstance(value, bool) or value < least:
-                off = " (0 = off)" if least == 0 else ""
-                raise ValueError(f"{name} must be an int >= {least}{off}, got {value!r}.")
+            check_count(name, value, least)
         if self.prompt_lookup_min_ngram_size > self.prompt_lookup_max_ngram_size:
             raise ValueError(
                 f"prompt_lookup_min_ngram_size ({self.prompt_lookup_min_ngram_size}) must not exceed "
@@ -279,6 +281,4 @@ class TreeGenerationConfig(GenerationConfig):
             if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not rate > 0:
                 raise ValueError(f"{name} must be a float > 0, got {rate!r}.")
         for name in ("adaptation_buffer_size", "adaptation_top_k", "adaptation_context"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {value!r}.")
+            check_count(name, getattr(self, name), 1)
