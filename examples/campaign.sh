@@ -65,7 +65,6 @@ resolve_drafter_path as path; shutil.copytree(path(sys.argv[1]), sys.argv[2], di
   echo "$OUT/start_drafter" > "$OUT/init_drafter"
 }
 
-[ -n "${DRY_RUN:-}" ] || mkdir -p "$OUT"
 if PYTHONPATH=$REPO/src "$PYTHON" -c "import sys; from transformers_specblock.training.trainer import \
 last_complete_checkpoint as last; sys.exit(last(sys.argv[1]) is None)" "$OUT"; then
   INIT=$(cat "$OUT/init_drafter")  # the run is rebuilt as it started, then the checkpoint's weights load
