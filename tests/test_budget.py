@@ -541,3 +541,21 @@ def test_the_loop_measures_the_free_part_of_drafted_trees_and_not_of_lookup_tree
                                          auto_budget_warmup=1000)  # fmt: skip
     target.generate(prompt, assistant_model=lookup, max_new_tokens=12, do_sample=False)
     assert lookup.serving_state().auto_budget.trees > 0 and lookup.serving_state().auto_budget.free_part_tau.count == 0
+
+
+def test_a_drafting_chooser_keeps_measuring_the_free_candidates_alone():
+    """Budget 0 of a drafter with free candidates is estimated from the drafted trees' free parts until it ran
+    `keep` times (one step whose text no source matched does not stand for it), and a drafting choice tries it every
+    `explore_interval` steps on a clock of its own, so it is measured as its own trees do and can win back."""
+    tree = _drafter_and_lookup_tree()
+    chooser = AutoBudget([0, 8], TargetCost([0, 8], [0.10, 0.12]), warmup=0, free_at_zero=True, keep=4)
+    for _ in range(8):  # the drafter's chain accepted whole; its free part would have committed 2
+        chooser.observe(tree, [1, 2, 3, 4], drafting_seconds=0.01, budget=8)
+        chooser.observe_free_part(tree, [1, 2, 3, 4])
+    chooser.observe_free(chain_tree(2), [], seconds=0.001)  # one budget-0 step that committed the bonus alone
+    assert chooser.estimates()[0] == 2.0  # the free parts' estimate still
+    chosen = [chooser.next_budget(explore_interval=4, explore_share=1.0) for _ in range(16)]
+    assert chosen.count(0) == 4 and all(chosen[i] == 0 for i in (3, 7, 11, 15))  # every 4th step: the free alone
+    for _ in range(3):  # they commit 4 tokens each time they run alone: now their own steps decide
+        chooser.observe_free(chain_tree(3), [1, 2, 3], seconds=0.001)
+    assert chooser.estimates()[0] == (1.0 + 3 * 4.0) / 4

@@ -63,7 +63,7 @@ def best_budget(
     return max(rates, key=rates.get)
 
 
-LEARNT_COUNTERS = ("trees", "clock", "steps", "explorations", "explored_at")
+LEARNT_COUNTERS = ("trees", "clock", "steps", "explorations", "explored_at", "free_explored_at")
 LEARNT_MEANS = (
     "tau", "size", "drafting", "exploration_extra", "free_tau", "free_size", "free_part_tau", "free_part_size",
     "free_seconds", "reading",
@@ -96,7 +96,11 @@ class AutoBudget:
     one above it at every second, and so on; from a choice that does not draft (0 or `PLAIN`) every second
     exploration goes at least to the rung above the drafter's best candidate, so the estimates that decide whether
     drafting pays are refreshed where it would draft, not a rung at a time from the bottom. A candidate never
-    measured is tried first. Budget 0 explores too, so it is not absorbing.
+    measured is tried first. Budget 0 explores too, so it is not absorbing. From a drafting choice, a drafter with
+    free candidates also tries them alone (budget 0) every `explore_interval` steps, on a clock of its own: such a
+    step costs less time than a drafted one, only the tokens the drafter would have added, and it keeps budget 0
+    measured as its own trees do (pruned by their own scores, at their lookups' cost), so the chooser falls back to
+    them where the drafter stops paying for its time (a weak drafter in float32 on a CPU).
     """
 
     candidates: list[int]
@@ -110,6 +114,7 @@ class AutoBudget:
     steps: int = 0  # verified steps after the warm-up: the exploration clock
     explorations: int = 0
     explored_at: int = 0  # `steps` at the latest exploration
+    free_explored_at: int = 0  # `steps` at the latest step that tried the free candidates alone from a drafting choice
     explored_from: int | None = None  # the choice an exploring step left, until the step is timed
     free_at_zero: bool = False  # budget 0 verifies the free candidates' tree (no drafter call) instead of nothing
     min_gain: float = 0.0  # what speculating must promise beyond plain decoding (`best_budget`)
@@ -243,8 +248,9 @@ class AutoBudget:
         self.free_part_size.add(self.clock, float(sum(1 for bits in free[1:] if bits)))
 
     def _free_stats(self) -> tuple[RecentMean, RecentMean]:
-        """Budget 0's (tau, size) statistics: its own steps', or before it ran, the drafted trees' free parts'."""
-        if self.free_tau.count or not self.free_part_tau.count:
+        """Budget 0's (tau, size) statistics: its own steps', or until it ran `keep` times, the drafted trees' free
+        parts'."""
+        if self.free_tau.count >= self.keep or not self.free_part_tau.count:
             return self.free_tau, self.free_size
         return self.free_part_tau, self.free_part_size
 
@@ -351,6 +357,9 @@ class AutoBudget:
         if self.trees < self.warmup:
             return best
         self.steps += 1
+        if self.free_at_zero and best > 0 and self.steps - self.free_explored_at >= explore_interval * self.batch_size:
+            self.free_explored_at = self.steps  # the free candidates alone: cheaper than the drafted step it replaces
+            return 0
         index = self.ladder.index(best) if best != PLAIN else -1
         since = self.steps - self.explored_at
         if since < explore_interval * self.batch_size or index == len(self.ladder) - 1:
