@@ -25,10 +25,10 @@ def test_best_budget_on_synthetic_cpu_and_gpu_curves():
     # a CPU-like cost: SmolLM2-135M measured 106 ms (1 token) .. 402 ms (64 tokens)
     cpu = TargetCost([4, 8, 16, 32, 64], [0.150, 0.193, 0.227, 0.300, 0.402])
     rates = {b: tau[b] / (cpu(b) + 0.02) for b in tau}
-    assert best_budget(tau, cpu, 0.02) == max(rates, key=rates.get) == 16
+    assert best_budget(tau, lambda b: cpu(b) + 0.02) == max(rates, key=rates.get) == 16
     # a GPU-like flat cost: the biggest tree wins
     gpu = TargetCost([4, 64], [0.0100, 0.0101])
-    assert best_budget(tau, gpu, 0.002) == 64
+    assert best_budget(tau, lambda b: gpu(b) + 0.002) == 64
     assert cpu(12) == pytest.approx((0.193 + 0.227) / 2) and cpu(2) == 0.150
 
 
@@ -82,7 +82,7 @@ def _chain(size: int) -> DraftTree:
 
 def _true_best(lengths: list[int], cost: TargetCost = STREAM_COST) -> int:
     tau = {b: 1 + sum(min(n, b) for n in lengths) / len(lengths) for b in cost.sizes}
-    return best_budget(tau, cost, drafting_seconds=0.3)
+    return best_budget(tau, lambda b: cost(b) + (0.3 if b else 0.0))  # the drafter: 0.3 s wherever it drafts
 
 
 def _run_stream(
@@ -184,8 +184,9 @@ def test_auto_budget_in_generate_is_exact_and_picks_a_candidate():
 def test_budget_zero_wins_when_no_tree_pays_for_itself():
     tau = {0: 1.0, 4: 1.3, 8: 1.35}
     cost = TargetCost([0, 4, 8], [0.100, 0.150, 0.190])  # a CPU: every drafted node costs verification time
-    assert best_budget(tau, cost, drafting_seconds=0.04) == 0  # 1/0.10 beats 1.3/0.19 and 1.35/0.23
-    assert best_budget({0: 1.0, 4: 2.5}, cost, drafting_seconds=0.04) == 4  # a good drafter pays for its tree
+    seconds = lambda b: cost(b) + (0.04 if b else 0.0)  # noqa: E731  (budget 0 runs no drafter)
+    assert best_budget(tau, seconds) == 0  # 1/0.10 beats 1.3/0.19 and 1.35/0.23
+    assert best_budget({0: 1.0, 4: 2.5}, seconds) == 4  # a good drafter pays for its tree
 
 
 def test_auto_budget_zero_stops_drafting_and_stays_exact():
@@ -219,7 +220,9 @@ def test_auto_budget_zero_comes_back_when_acceptance_improves(monkeypatch):
         auto_budget_candidates=[0, vocab], auto_budget_warmup=2, auto_budget_explore_interval=4,
     )  # fmt: skip
     # a tree costs 1.6 plain steps: one guess (tau about 1 + 1/24) does not pay, every token as a guess (tau 2) does
-    auto_budget_for(drafter, target).cost = TargetCost([0, vocab], [1.0, 1.6])
+    chooser = auto_budget_for(drafter, target)
+    chooser.cost = TargetCost([0, vocab], [1.0, 1.6])
+    chooser.keep = 10**9  # the curve is in plain steps: the real steps' seconds must not stand in for it
     prompt = torch.randint(1, vocab, (1, 6), generator=torch.Generator().manual_seed(3))
     reference = target.generate(prompt, max_new_tokens=40, do_sample=False)
     out = target.generate(prompt, assistant_model=drafter, max_new_tokens=40, do_sample=False)
@@ -336,7 +339,8 @@ def test_the_loop_times_every_step_for_the_chooser(monkeypatch):
     chooser = auto_budget_for(drafter, target)
     chooser.measure = lambda batch_size: chooser.cost  # (no timing of other buckets: not what is tested here)
     reported = []
-    monkeypatch.setattr(AutoBudget, "observe_step", lambda self, size, seconds, drafting, catch_up: reported.append((size, seconds)))
+    monkeypatch.setattr(AutoBudget, "observe_step",
+                        lambda self, size, seconds, drafting, catch_up, budget: reported.append((size, seconds)))
     out = target.generate(prompts, assistant_model=drafter, max_new_tokens=24, do_sample=False)
     assert out.tolist() == reference.tolist()
     stats = drafter.last_stats
@@ -468,13 +472,14 @@ def test_a_tree_step_that_looks_expensive_can_still_be_measured_again():
 def test_speculating_must_promise_the_minimum_gain_over_plain_decoding():
     """A tree that promises 3% more tokens per second than plain decoding is not worth the risk (the estimates are
     noisy): with min_gain 0.05 the chooser decodes plainly; one that promises 10% is drafted."""
-    cost = TargetCost([0, 4], [0.100, 0.150])
-    assert best_budget({0: 1.0, 4: 1.545}, cost, drafting_seconds=0.0) == 4  # 1.03 x plain
-    assert best_budget({0: 1.0, 4: 1.545}, cost, drafting_seconds=0.0, min_gain=0.05) == 0
-    assert best_budget({0: 1.0, 4: 1.65}, cost, drafting_seconds=0.0, min_gain=0.05) == 4  # 1.10 x plain
+    curve = TargetCost([0, 4], [0.100, 0.150])
+    cost = lambda b: curve(max(b, 0))  # noqa: E731  (a plain step: the curve at 0 nodes)
+    assert best_budget({0: 1.0, 4: 1.545}, cost) == 4  # 1.03 x plain
+    assert best_budget({0: 1.0, 4: 1.545}, cost, min_gain=0.05) == 0
+    assert best_budget({0: 1.0, 4: 1.65}, cost, min_gain=0.05) == 4  # 1.10 x plain
     # with free candidates, PLAIN is the option that does not speculate: budget 0 must beat it too
-    assert best_budget({0: 1.02}, cost, 0.0, plain=True) == 0 and best_budget({0: 1.02}, cost, 0.0, plain=True,
-                                                                             min_gain=0.05) == PLAIN  # fmt: skip
+    assert best_budget({0: 1.02}, cost, plain=True) == 0
+    assert best_budget({0: 1.02}, cost, plain=True, min_gain=0.05) == PLAIN
     target = make_target("llama", vocab_size=24, seed=2)
     assert auto_budget_for(make_drafter(target, tree_budget="auto"), target).min_gain == 0.05  # the config's
     with pytest.raises(ValueError, match="auto_budget_min_gain"):
@@ -559,3 +564,20 @@ def test_a_drafting_chooser_keeps_measuring_the_free_candidates_alone():
     for _ in range(3):  # they commit 4 tokens each time they run alone: now their own steps decide
         chooser.observe_free(chain_tree(3), [1, 2, 3], seconds=0.001)
     assert chooser.estimates()[0] == (1.0 + 3 * 4.0) / 4
+
+
+def test_a_chosen_budget_is_weighed_by_what_its_steps_took():
+    """Once a budget was chosen `keep` times, its steps' measured seconds (drafting and short catch-ups included;
+    a long read, a prompt's, and exploring steps left out) replace the model's estimate: a drafter whose steps
+    take longer than its steady drafting time says (it catches up after skipped steps) gives way to budget 0."""
+    chooser = AutoBudget([0, 8], TargetCost([0, 8], [0.10, 0.12]), warmup=0, keep=4)
+    for _ in range(4):
+        chooser.observe(chain_tree(8), [1], drafting_seconds=0.01, budget=8)  # tau 2 at budget 8
+    assert chooser.seconds(8) == pytest.approx(0.13) and chooser.choose() == 8  # the model: 2 / 0.13 beats 1 / 0.10
+    chooser.explored_from = 0  # an exploring step is not what choosing the budget costs
+    chooser.observe_step(8, 0.5, drafting_seconds=0.5, budget=8)
+    assert not chooser.step_time
+    for _ in range(4):  # each chosen step took 0.25 s in all, and one of them also read a prompt for 1 s
+        chooser.observe_step(8, 0.12, drafting_seconds=0.13, budget=8)
+    chooser.observe_step(8, 0.12, drafting_seconds=1.13, catch_up=(40, 1.0), budget=8)
+    assert chooser.seconds(8) == pytest.approx(0.25) and chooser.choose() == 0  # 2 / 0.25 < 1 / 0.10

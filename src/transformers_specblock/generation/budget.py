@@ -10,6 +10,10 @@ the nodes they add), counting a tree only for the candidates it can tell about, 
 follows a drafter or a device that changes. T_M is the curve plus what the loop's own steps took beyond it
 (`AutoBudget.observe_step`: masks, acceptance, compaction and each row's bookkeeping, measured per batch bucket for
 tree steps and plain steps apart), so a tree that pays for its forward but not for the loop's work around it loses.
+Once a budget has been chosen `keep` times, what its steps took in all (`AutoBudget.step_time`: drafting, the
+drafter's catching up on steps it skipped, verification and the loop) replaces that model for it: where the choice
+alternates between drafting and not, the model's steady drafting time is too low, and it misjudges the free
+candidates' steps.
 
 The budget caps the tree; `AutoBudget.worth_verifying` then sizes each drafted tree, keeping the prefix of its
 pruning order with the most expected tokens per second (a node's exp(path score) read as its chance of acceptance).
@@ -45,18 +49,15 @@ candidates run (their lookups cost time of their own)."""
 
 
 def best_budget(
-    tau: dict[int, float], cost: Callable[[int], float], drafting_seconds: float, sizes: dict[int, float] | None = None,
-    free_seconds: float = 0.0, plain: bool = False, min_gain: float = 0.0,
-) -> int:  # fmt: skip
-    """The budget B maximising tau(B) / (T_M(size(B)) + T_D), where budget 0 runs no drafter (it costs
-    `free_seconds`, the free candidates' time, where they are on) and size(B) is the mean number of nodes a tree of
-    budget B verifies (B itself unless `sizes` says less: a drafter or a lookup with fewer candidates than the budget
-    verifies a smaller tree). With `plain`, a plain step (`PLAIN`: 1 / T_M(0)) competes too. A budget that speculates
-    must beat the one that does not (`PLAIN`, else 0) by `min_gain` (0.05: 5% more tokens per second)."""
-    sizes = sizes or {}
-    rates = {b: tau[b] / (cost(sizes.get(b, b)) + (drafting_seconds if b else free_seconds)) for b in tau}
+    tau: dict[int, float], seconds: Callable[[int], float], plain: bool = False, min_gain: float = 0.0
+) -> int:
+    """The budget B maximising tau(B) / seconds(B), the expected seconds of a step drafting with B (budget 0 runs no
+    drafter: the root alone, or the free candidates' tree where they are on). With `plain`, a plain step (`PLAIN`:
+    1 / seconds(PLAIN)) competes too. A budget that speculates must beat the one that does not (`PLAIN`, else 0) by
+    `min_gain` (0.05: 5% more tokens per second)."""
+    rates = {b: tau[b] / seconds(b) for b in tau}
     if plain:
-        rates[PLAIN] = 1.0 / cost(0)
+        rates[PLAIN] = 1.0 / seconds(PLAIN)
     plainly = PLAIN if plain else 0
     if plainly in rates:
         rates[plainly] *= 1.0 + min_gain
@@ -126,6 +127,10 @@ class AutoBudget:
     # measured seconds of a step (drafting excluded) beyond the cost curve's, per (batch bucket, whether a tree was
     # verified): the loop's own work (masks, acceptance, compaction, bookkeeping per row), the real cache's length
     step_overhead: dict[tuple[int, bool], RecentMean] = field(default_factory=dict)
+    # measured seconds of whole steps (drafting and catching up included) per (batch bucket, chosen budget), exploring
+    # steps left out: what choosing a budget costs in the running regime, which the model above misses where steps
+    # alternate (a drafter that sat idle catches up before it drafts)
+    step_time: dict[tuple[int, int], RecentMean] = field(default_factory=dict)
     state_path: Path | None = None  # where its learnt state is kept for the next process (`autotune_cache`)
     tau: dict[int, RecentMean] = field(init=False)  # committed tokens per tree, per candidate > 0
     size: dict[int, RecentMean] = field(init=False)  # nodes a tree of each candidate budget verifies
@@ -155,7 +160,9 @@ class AutoBudget:
             value = getattr(self, name)
             means[name] = {str(b): m.to_dict() for b, m in value.items()} if isinstance(value, dict) else value.to_dict()
         overhead = {f"{bucket},{int(tree)}": m.to_dict() for (bucket, tree), m in self.step_overhead.items()}
-        return {**{name: getattr(self, name) for name in LEARNT_COUNTERS}, "means": means, "step_overhead": overhead}
+        taken = {f"{bucket},{budget}": m.to_dict() for (bucket, budget), m in self.step_time.items()}
+        return {**{name: getattr(self, name) for name in LEARNT_COUNTERS}, "means": means, "step_overhead": overhead,
+                "step_time": taken}
 
     def restore(self, state: dict[str, Any]) -> None:
         """Go on from a `learnt_state` (of a chooser with the same candidates); an empty or foreign one is ignored."""
@@ -169,6 +176,7 @@ class AutoBudget:
                 (int(key.split(",")[0]), key.endswith(",1")): RecentMean.from_dict(m)
                 for key, m in state["step_overhead"].items()
             }
+            taken = {tuple(map(int, key.split(","))): RecentMean.from_dict(m) for key, m in state["step_time"].items()}
             counters = {name: int(state[name]) for name in LEARNT_COUNTERS}
         except (KeyError, TypeError, ValueError, AttributeError):
             return
@@ -176,7 +184,7 @@ class AutoBudget:
             return
         for name, value in {**counters, **means}.items():
             setattr(self, name, value)
-        self.step_overhead = overhead
+        self.step_overhead, self.step_time = overhead, taken
 
     def set_batch_size(self, live_rows: int) -> None:
         """Choose for `live_rows` rows verified together: their bucket's cost curve, drafting paid per row. The first
@@ -202,19 +210,25 @@ class AutoBudget:
         return self.cost(size)
 
     def observe_step(
-        self, size: int, seconds: float, drafting_seconds: float = 0.0, catch_up: tuple[int, float] = (0, 0.0)
+        self, size: int, seconds: float, drafting_seconds: float = 0.0, catch_up: tuple[int, float] = (0, 0.0),
+        budget: int | None = None,
     ) -> None:
         """Record a step's `seconds` (drafting excluded) that verified `size` drafted nodes per row (the padded
         tree's): what it took beyond the cost curve of its batch (none where the curve says more); for an exploring
-        step also what it took with its drafting beyond a step at the choice. `catch_up`: the positions a drafter
-        that sat idle read first, and the seconds that took (part of `drafting_seconds`), learnt per position apart:
+        step also what it took with its drafting beyond a step at the choice; for a chosen `budget`, the whole step's
+        seconds (`step_time`). `catch_up`: the positions a drafter that sat idle read first (a long read: a prompt or
+        a stretch of skipped steps), and the seconds that took (part of `drafting_seconds`), learnt per position apart:
         the next exploration is charged for the positions then unread (`next_budget`)."""
-        key = (batch_bucket(self.batch_size), size > 0)
+        bucket = batch_bucket(self.batch_size)
         overhead = max(0.0, seconds - self.cost(size))
-        self.step_overhead.setdefault(key, RecentMean(self.window, self.keep)).add(self.clock, overhead)
+        self.step_overhead.setdefault((bucket, size > 0), RecentMean(self.window, self.keep)).add(self.clock, overhead)
         positions, reading = catch_up
         if positions:
             self.reading.add(self.clock, reading / positions)
+        if budget is not None and self.explored_from is None and self.trees >= self.warmup:
+            # a long read (a new call's prompt) is the call's cost, not the budget's
+            taken = self.step_time.setdefault((bucket, budget), RecentMean(self.window, self.keep))
+            taken.add(self.clock, seconds + drafting_seconds - reading)
         if self.explored_from is not None:
             extra = seconds + drafting_seconds - reading - self.seconds(self.explored_from)
             self.exploration_extra.add(self.clock, max(0.0, extra))
@@ -301,18 +315,12 @@ class AutoBudget:
         return max(unmeasured) if unmeasured else self._best()
 
     def _best(self, drafting_only: bool = False) -> int:
-        """The argmax of tau(B) / (T_M(B) + T_D) over the measured candidates (`drafting_only`: over those > 0)."""
+        """The argmax of tau(B) / seconds(B) over the measured candidates (`drafting_only`: over those > 0)."""
         tau = {b: t for b, t in self.estimates().items() if b or not drafting_only}
         if not tau:
             return self.largest
-        sizes = {b: self.size[b].mean(self.clock) for b in tau if b}
-        _, free_size = self._free_stats()
-        sizes[0] = free_size.mean(self.clock) if free_size.count else 0.0
-        free = self.free_seconds.mean(self.clock) * self.batch_size
-        drafting = self.drafting.mean(self.clock) * self.batch_size
         plain = self.free_at_zero and not drafting_only
-        return best_budget(tau, self.step_seconds, drafting, sizes, free_seconds=free, plain=plain,
-                           min_gain=self.min_gain)  # fmt: skip
+        return best_budget(tau, self.seconds, plain=plain, min_gain=self.min_gain)
 
     def worth_verifying(self, trees: list[DraftTree], drafted: bool = True) -> list[DraftTree]:
         """The rows' trees cut to the common prefix length n of their pruning orders with the most expected tokens
@@ -382,7 +390,13 @@ class AutoBudget:
         return best
 
     def seconds(self, budget: int) -> float:
-        """The expected seconds of a step drafting with `budget` (`PLAIN`: a plain step) for the live batch."""
+        """The expected seconds of a step drafting with `budget` (`PLAIN`: a plain step) for the live batch: what such
+        steps took once it was chosen `keep` times (drafting, catching up on skipped positions and the loop's work
+        included), else the model: the cost curve at the nodes it verifies, the loop's overhead and the drafter's
+        time on steady steps."""
+        taken = self.step_time.get((batch_bucket(self.batch_size), budget))
+        if taken is not None and taken.count >= self.keep:
+            return taken.mean(self.clock)
         if budget == PLAIN or (budget == 0 and not self.free_at_zero):
             return self.step_seconds(0)
         if budget == 0:

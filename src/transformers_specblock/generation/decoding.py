@@ -131,7 +131,7 @@ def tree_speculative_decoding(
             step_seconds = time.perf_counter() - step_started - drafting - adapting
             catch_up = [read for _, _, read in drafted if read[0]]
             catch_up = (sum(p for p, _ in catch_up), sum(s for _, s in catch_up))
-            auto_budget.observe_step(loop.verified_size, step_seconds, drafting, catch_up)
+            auto_budget.observe_step(loop.verified_size, step_seconds, drafting, catch_up, budget)
         if streamer is not None:
             streamer.put(live[0].sequence[-counts[0] :].cpu())
         live, visible = _retire(live, loop.cache, visible)
