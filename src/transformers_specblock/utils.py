@@ -90,6 +90,16 @@ class RecentMean:
         recent.count = data["count"]
         return recent
 
+    @staticmethod
+    def pairs_to_json(means: dict[tuple[int, int], "RecentMean"]) -> dict[str, dict[str, Any]]:
+        """{(a, b): mean} as JSON, keys "a,b" (a bool b as 0 / 1); `pairs_from_json` reads it back."""
+        return {",".join(str(int(part)) for part in key): mean.to_dict() for key, mean in means.items()}
+
+    @classmethod
+    def pairs_from_json(cls, data: dict[str, dict[str, Any]]) -> dict[tuple[int, int], "RecentMean"]:
+        """The inverse of `pairs_to_json` (a key (1, 1) finds what (1, True) stored: they hash alike)."""
+        return {tuple(int(part) for part in key.split(",")): cls.from_dict(mean) for key, mean in data.items()}
+
     def _recent(self, step: int) -> list[float]:
         return [v for i, (s, v) in enumerate(reversed(self.samples)) if i < self.keep or s > step - self.window]
 

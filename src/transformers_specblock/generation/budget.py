@@ -98,10 +98,8 @@ class AutoBudget:
     exploration goes at least to the rung above the drafter's best candidate, so the estimates that decide whether
     drafting pays are refreshed where it would draft, not a rung at a time from the bottom. A candidate never
     measured is tried first. Budget 0 explores too, so it is not absorbing. From a drafting choice, a drafter with
-    free candidates also tries them alone (budget 0) every `explore_interval` steps, on a clock of its own: such a
-    step costs less time than a drafted one, only the tokens the drafter would have added, and it keeps budget 0
-    measured as its own trees do (pruned by their own scores, at their lookups' cost), so the chooser falls back to
-    them where the drafter stops paying for its time (a weak drafter in float32 on a CPU).
+    free candidates also tries them alone (budget 0) every `explore_interval` steps, on a clock of its own (cheaper
+    than a drafted step), so budget 0 stays measured as its own trees do and can win back.
     """
 
     candidates: list[int]
@@ -159,10 +157,8 @@ class AutoBudget:
         for name in LEARNT_MEANS:
             value = getattr(self, name)
             means[name] = {str(b): m.to_dict() for b, m in value.items()} if isinstance(value, dict) else value.to_dict()
-        overhead = {f"{bucket},{int(tree)}": m.to_dict() for (bucket, tree), m in self.step_overhead.items()}
-        taken = {f"{bucket},{budget}": m.to_dict() for (bucket, budget), m in self.step_time.items()}
-        return {**{name: getattr(self, name) for name in LEARNT_COUNTERS}, "means": means, "step_overhead": overhead,
-                "step_time": taken}
+        pairs = {name: RecentMean.pairs_to_json(getattr(self, name)) for name in ("step_overhead", "step_time")}
+        return {**{name: getattr(self, name) for name in LEARNT_COUNTERS}, "means": means, **pairs}
 
     def restore(self, state: dict[str, Any]) -> None:
         """Go on from a `learnt_state` (of a chooser with the same candidates); an empty or foreign one is ignored."""
@@ -172,11 +168,7 @@ class AutoBudget:
                 else RecentMean.from_dict(value)
                 for name, value in state["means"].items()
             }  # fmt: skip
-            overhead = {
-                (int(key.split(",")[0]), key.endswith(",1")): RecentMean.from_dict(m)
-                for key, m in state["step_overhead"].items()
-            }
-            taken = {tuple(map(int, key.split(","))): RecentMean.from_dict(m) for key, m in state["step_time"].items()}
+            overhead, taken = (RecentMean.pairs_from_json(state[name]) for name in ("step_overhead", "step_time"))
             counters = {name: int(state[name]) for name in LEARNT_COUNTERS}
         except (KeyError, TypeError, ValueError, AttributeError):
             return
