@@ -38,7 +38,8 @@ from ..models.tree_drafter.generation_config import (
 )
 from ..utils import RecentMean
 from .target_cost import TargetCost, batch_bucket
-from .tree import SOURCE_BITS, DraftTree
+from .lookup import FreeShadow
+from .tree import DraftTree, HostTree
 
 DEFAULT_WINDOW = 64  # verified steps: the estimates are means over the samples of the last `window` steps
 DEFAULT_KEEP = 4  # ... and over at least the last `keep` samples of each candidate
@@ -65,10 +66,7 @@ def best_budget(
 
 
 LEARNT_COUNTERS = ("trees", "clock", "steps", "explorations", "explored_at", "free_explored_at")
-LEARNT_MEANS = (
-    "tau", "size", "drafting", "exploration_extra", "free_tau", "free_size", "free_part_tau", "free_part_size",
-    "free_seconds", "reading",
-)  # fmt: skip
+LEARNT_MEANS = ("tau", "size", "drafting", "exploration_extra", "free_tau", "free_size", "free_seconds", "reading")
 
 
 @dataclass
@@ -84,8 +82,8 @@ class AutoBudget:
     Following change: a candidate's tau (and the drafting time T_D) is the mean of its samples of the last `window`
     verified steps, and at least of its last `keep` samples. Candidate 0 needs none: tau = 1, no drafting - unless
     the drafter has free candidates (`free_at_zero`): then budget 0 still verifies their tree, with no drafter call,
-    and its tau and size are measured like any candidate's (`observe_free`), and until budget 0 has run, estimated
-    from the free candidates' part of the drafted trees (`observe_free_part`).
+    and its tau and size are measured like any candidate's (`observe_free`), and at every drafted step too, from
+    what their tree alone would have committed there (`observe_free_alone`).
 
     Warming up: the first `warmup` trees are drafted at the largest candidate whose tree the live batch's target
     verifies for at most `warmup_cost` plain steps (`warmup_budget`: the largest candidate on a GPU; on a CPU, where a
@@ -142,9 +140,7 @@ class AutoBudget:
         self.exploration_extra = RecentMean(self.window, self.keep)  # what exploring steps took beyond chosen ones
         self.free_tau = RecentMean(self.window, self.keep)  # budget 0 with free candidates: tau, size, and their
         self.free_size = RecentMean(self.window, self.keep)
-        self.free_part_tau = RecentMean(self.window, self.keep)  # ... as drafted trees' free parts tell (no time)
-        self.free_part_size = RecentMean(self.window, self.keep)
-        self.free_seconds = RecentMean(self.window, self.keep)  # seconds per row
+        self.free_seconds = RecentMean(self.window, self.keep)  # seconds per row (of budget-0 steps)
         self.reading = RecentMean(self.window, self.keep)  # drafter seconds per position it catches up on
 
     @property
@@ -175,7 +171,8 @@ class AutoBudget:
         if set(means.get("tau", {})) != set(self.tau):
             return
         for name, value in {**counters, **means}.items():
-            setattr(self, name, value)
+            if name in LEARNT_COUNTERS or name in LEARNT_MEANS:  # (a state saved by another version may hold more)
+                setattr(self, name, value)
         self.step_overhead, self.step_time = overhead, taken
 
     def set_batch_size(self, live_rows: int) -> None:
@@ -229,8 +226,7 @@ class AutoBudget:
     def estimates(self) -> dict[int, float]:
         """The current tau estimate of every measured candidate (candidate 0: exactly 1, or the measured tau of the
         free candidates' trees)."""
-        tau, _ = self._free_stats()
-        zero = tau.mean(self.clock) if tau.count else 1.0
+        zero = self.free_tau.mean(self.clock) if self.free_tau.count else 1.0
         return {b: self.tau[b].mean(self.clock) if b else zero for b in self.ladder if b == 0 or self.tau[b].count}
 
     def observe_free(self, tree: DraftTree, path: list[int], seconds: float | None = None) -> None:
@@ -241,24 +237,14 @@ class AutoBudget:
         if seconds is not None:
             self.free_seconds.add(self.clock, seconds)
 
-    def observe_free_part(self, tree: DraftTree, path: list[int]) -> None:
-        """Record what the free candidates alone would have committed in a drafted tree they joined (`free_at_zero`;
-        `path`: the accepted nodes): the accepted path up to its first node no free source proposed, from a tree of
-        the nodes they proposed. Budget 0 is estimated from these samples until it has run itself (`_free_stats`):
-        where the drafter stops paying (a larger batch), the chooser tries the free candidates' trees instead of
-        falling to plain steps knowing nothing of them; once tried, what they really did decides (a tree of theirs
-        alone is pruned by their own scores, not by the drafter's agreement, and costs their lookups' time)."""
-        free = [bits & ~SOURCE_BITS["drafter"] for bits in tree.host().sources]
-        accepted = next((i for i, node in enumerate(path) if not free[node]), len(path))
-        self.free_part_tau.add(self.clock, accepted + 1.0)
-        self.free_part_size.add(self.clock, float(sum(1 for bits in free[1:] if bits)))
-
-    def _free_stats(self) -> tuple[RecentMean, RecentMean]:
-        """Budget 0's (tau, size) statistics: its own steps', or until it ran `keep` times, the drafted trees' free
-        parts'."""
-        if self.free_tau.count >= self.keep or not self.free_part_tau.count:
-            return self.free_tau, self.free_size
-        return self.free_part_tau, self.free_part_size
+    def observe_free_alone(self, trees: list[FreeShadow]) -> None:
+        """Record what the free candidates' trees alone would have committed at drafted steps (`FreeShadow`: each
+        scored against the text the target committed next): budget 0's tau and size, known at every drafted step,
+        exactly for greedy decoding. So a drafting choice knows budget 0 as well as it knows its own trees, and where
+        the drafter stops paying (a larger batch, text the lookups copy better) the free candidates take over."""
+        for tree in trees:
+            self.free_tau.add(self.clock, tree.tau)
+            self.free_size.add(self.clock, float(tree.size))
 
     def observe(
         self, tree: DraftTree, path: list[int], drafting_seconds: float | None, budget: int | None = None
@@ -324,20 +310,30 @@ class AutoBudget:
         tree, this sizes it per step. `drafted`: whether the drafter ran (its time T_D is counted). An exploring
         step verifies its trees whole: it is there to measure, and a cut tree measures neither the candidate's tau
         nor what a tree step costs (were every tree cut, stale estimates would never be corrected)."""
-        longest = max(tree.num_drafted for tree in trees)
-        if longest == 0 or self.trees < self.warmup or self.explored_from is not None:
+        if max(tree.num_drafted for tree in trees) == 0 or self.trees < self.warmup or self.explored_from is not None:
             return trees
+        best = self._best_size([tree.host() for tree in trees], drafted)  # (our drafters grow their trees there)
+        return [tree.prune(best) for tree in trees]
+
+    def free_alone_tree(self, tree: HostTree) -> HostTree:
+        """The free candidates' tree `tree` as a chosen budget-0 step would verify it for this row (`worth_verifying`
+        with no drafting time; whole while warming up)."""
+        if tree.num_drafted == 0 or self.trees < self.warmup:
+            return tree
+        return tree.prune(self._best_size([tree], drafted=False))
+
+    def _best_size(self, trees: list[HostTree], drafted: bool) -> int:
+        """`worth_verifying`'s prefix length n for the rows' host trees."""
+        longest = max(tree.num_drafted for tree in trees)
         expected = [float(len(trees))] * (longest + 1)  # E[tokens] over the rows keeping n nodes each
-        for tree in trees:  # on the host copy of each tree (our drafters grow them there)
-            host = tree.host()
-            scores = host.path_scores()
-            gains = list(itertools.accumulate(math.exp(scores[node]) for node in host.pruning_order()[1:]))
+        for tree in trees:
+            scores = tree.path_scores()
+            gains = list(itertools.accumulate(math.exp(scores[node]) for node in tree.pruning_order()[1:]))
             for n in range(1, longest + 1):
                 expected[n] += gains[min(n, len(gains)) - 1] if gains else 0.0
         drafting = self.drafting.mean(self.clock) * self.batch_size if drafted else 0.0
         rates = [float(e) / (self.step_seconds(n) + drafting) for n, e in enumerate(expected)]
-        best = max(range(len(rates)), key=rates.__getitem__)
-        return [tree.prune(best) for tree in trees]
+        return max(range(len(rates)), key=rates.__getitem__)
 
     def next_budget(
         self, explore_interval: int = DEFAULT_EXPLORE_INTERVAL, explore_share: float = DEFAULT_EXPLORE_SHARE,
@@ -392,7 +388,7 @@ class AutoBudget:
         if budget == PLAIN or (budget == 0 and not self.free_at_zero):
             return self.step_seconds(0)
         if budget == 0:
-            size, drafting = self._free_stats()[1], self.free_seconds
+            size, drafting = self.free_size, self.free_seconds
         else:
             size, drafting = self.size[budget], self.drafting
         nodes = size.mean(self.clock) if size.count else budget

@@ -104,6 +104,9 @@ def tree_speculative_decoding(
     if adapter is not None:
         adapter.start_call(generators)
     auto_budget = auto_budget_for(drafter, model) if drafter.generation_config.tree_budget == AUTO else None
+    if auto_budget is not None and auto_budget.free_at_zero:  # drafted steps also tell what budget 0 would commit
+        for generator in generators:
+            generator.size_free_alone = auto_budget.free_alone_tree
     # the drafter reads committed positions lazily, right before it drafts (none at all while "auto" chooses 0)
     drafts_ever = auto_budget is None or auto_budget.largest > 0
     loop = _Loop(
@@ -296,6 +299,8 @@ class _Loop:
         counts = commit(live, [new_tokens[i, :n] for i, n in enumerate(lengths)], list(kept_scores),
                         self.stopping_criteria, host_tokens, self.host_stop_rule)  # fmt: skip
         for i, (row, n, count) in enumerate(zip(live, lengths, counts)):
+            if self.auto_budget is not None:  # what budget 0 would have committed at earlier drafted steps
+                self.auto_budget.observe_free_alone(row.generator.take_free_alone())
             record(row, self.generation_config, kept_scores[i], kept_raw[i], count)
             row.hidden += holds.shape[1] - n
             row.next_position += n
@@ -317,8 +322,6 @@ class _Loop:
             self.adapter.capture(row.generator, tree, path_nodes, bonus, logits.float())
         if self.auto_budget is not None and budget > 0:
             self.auto_budget.observe(tree, path, drafting_seconds, budget=budget)
-            if self.auto_budget.free_at_zero and row.generator.grows_trees:  # what budget 0 would have verified
-                self.auto_budget.observe_free_part(tree, path)
         elif self.auto_budget is not None and self.auto_budget.free_at_zero:
             self.auto_budget.observe_free(tree, path, drafting_seconds)
 

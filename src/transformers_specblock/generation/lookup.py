@@ -10,7 +10,8 @@ the matched n-gram length) at depths 1..d, so pruning to the tree budget (and `t
 candidate by one rule, whichever source proposed it. The suffix cache (`generation.suffix_cache`: the longest
 match of the text among every request the drafter served, and in this request) proposes a tree per match; its
 most frequent branch scores as a chain of its kind (the match's length bucket), every other branch below that by
-its frequency relative to its most frequent sibling.
+its frequency relative to its most frequent sibling. `FreeShadow` tells what their tree alone would have committed
+at a step the drafter drafted, for `tree_budget="auto"`'s budget 0.
 """
 
 from __future__ import annotations
@@ -304,3 +305,33 @@ class FreeCandidates:
         """The call's whole committed text [T], for the suffix store (else it keeps the text up to the last draft)."""
         if self.suffix is not None:
             self.suffix.finish(self.follow(sequence))
+
+
+@dataclass
+class FreeShadow:
+    """The tree the free candidates alone would have verified at a drafted step (budget 0: no drafter call), scored
+    against the text the target went on to commit: followed token by token (`follow`) until the text leaves it, the
+    step would have committed the path it matched and the target's own next token. For greedy decoding that is
+    exactly what verifying it would have committed; under sampling the same in distribution (a drafted token is
+    accepted with the target's probability of it, the chance the sampled text has it). A tree the text has not left
+    yet waits for the next step's tokens."""
+
+    tree: HostTree
+    node: int = 0  # the deepest node the committed text has matched so far
+    matched: int = 0
+    tau: float | None = None  # tokens the step would have committed, once known
+
+    @property
+    def size(self) -> int:
+        return self.tree.num_drafted
+
+    def follow(self, tokens: Sequence[int]) -> bool:
+        """Follow newly committed `tokens`; returns whether the tree's tau is known now."""
+        for token in tokens:
+            child = next((i for i in range(self.node + 1, len(self.tree)) if self.tree.parents[i] == self.node
+                          and self.tree.tokens[i] == token), None)  # fmt: skip
+            if child is None:
+                self.tau = self.matched + 1.0
+                return True
+            self.node, self.matched = child, self.matched + 1
+        return False

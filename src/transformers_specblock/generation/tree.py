@@ -312,7 +312,16 @@ class HostTree:
         on the path from the root, NaN as -inf; ties to the older node)."""
         if len(self) - 1 <= budget:
             return self
-        kept = sorted(self.pruning_order()[: budget + 1])
+        return self._subtree(sorted(self.pruning_order()[: budget + 1]))
+
+    def free_part(self) -> "HostTree":
+        """The root and the nodes a free source proposed (any bit but the drafter's), in order: the tree the free
+        candidates alone would have built (a free chain is merged from the root, so a free node's ancestors are free
+        too); a node the drafter proposed as well keeps the higher of the two scores."""
+        return self._subtree([0] + [i for i, bits in enumerate(self.sources) if i and bits & ~SOURCE_BITS["drafter"]])
+
+    def _subtree(self, kept: list[int]) -> "HostTree":
+        """The nodes `kept` (ascending, the root and every kept node's parent among them), renumbered."""
         new_index = {old: new for new, old in enumerate(kept)}
         return HostTree(
             [self.tokens[i] for i in kept], [new_index[self.parents[i]] if i else -1 for i in kept],

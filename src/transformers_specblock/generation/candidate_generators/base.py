@@ -16,7 +16,7 @@ from ...models.tree_drafter.generation_config import AUTO
 from ...models.tree_drafter.modeling_tree_drafter import TreeDraftModel
 from ...models.tree_drafter.serving_state import ServingState
 from ...utils import sync
-from ..lookup import free_candidates_for
+from ..lookup import FreeShadow, free_candidates_for
 from ..tree import SOURCE_BITS, UNKNOWN_ROOT, DraftTree, HostTree
 
 
@@ -76,6 +76,13 @@ class TreeCandidateGenerator(CandidateGenerator):
     ) -> None:
         self.drafter = drafter
         budget = tree_budget if tree_budget is not None else drafter.generation_config.tree_budget
+        self.free_candidates = free_candidates_for(drafter, state)
+        # under "auto" the loop sets how budget 0 sizes the free candidates' tree alone; each drafted step then also
+        # scores that tree (`FreeShadow`) against the text the target commits next until the text leaves it, and the
+        # loop takes what it would have committed (`take_free_alone`)
+        self.size_free_alone: Callable[[HostTree], HostTree] | None = None
+        self.shadows: list[FreeShadow] = []
+        self.free_alone: list[FreeShadow] = []
         if budget == AUTO:  # the loop sets the budget every iteration; start from the largest candidate (candidates
             budget = max(1, *drafter.generation_config.auto_budget_candidates)  # [0]: never drafts, settings still check)
         self.tree_budget = budget
@@ -85,7 +92,6 @@ class TreeCandidateGenerator(CandidateGenerator):
         self.unread_positions = 0  # positions queued and not read yet: what the next draft first catches up on
         self.queued_first_position = 0
         self.has_read = False  # whether the drafter has read any context yet
-        self.free_candidates = free_candidates_for(drafter, state)
         self.verified: DraftTree | None = None  # the last verified tree, until the loop commits its tokens
         eos = getattr(drafter.config, "eos_token_id", None)
         self.eos_token_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
@@ -162,6 +168,9 @@ class TreeCandidateGenerator(CandidateGenerator):
             text = self.free_candidates.follow(sequence)
             tree.tokens[0] = text[-1]
             self.free_candidates.add_to(tree, text)
+            if self.size_free_alone is not None:  # budget 0's tree: pruned as `_free_tree` prunes it, then sized
+                largest = max(self.drafter.generation_config.auto_budget_candidates)
+                self.shadows.append(FreeShadow(self.size_free_alone(tree.free_part().prune(largest))))
             budget = self._free_budget()
         # online adaptation reads the unpruned tree's nodes (`note_producers` gave their indices)
         self.drafted = tree.to_device(device, root) if self.keep_producers else None
@@ -213,7 +222,16 @@ class TreeCandidateGenerator(CandidateGenerator):
             if self.verified is not None:
                 self.free_candidates.record(self.verified, tokens[:-1], self.eos_token_ids)
             self.free_candidates.extend(tokens[:kept])
+        for shadow in self.shadows:
+            if shadow.follow(tokens[:kept]):
+                self.free_alone.append(shadow)
+        self.shadows = [shadow for shadow in self.shadows if shadow.tau is None]
         self.verified = None
+
+    def take_free_alone(self) -> list[FreeShadow]:
+        """The free candidates' trees of drafted steps whose tau the committed text now tells (see `FreeShadow`)."""
+        taken, self.free_alone = self.free_alone, []
+        return taken
 
     def finish(self, sequence: torch.LongTensor) -> None:
         """The call is over: `sequence` [T] is its whole committed text (the suffix store remembers it)."""
