@@ -34,8 +34,10 @@ GPU_TRAINING = ("gpu-h200-2026-11-30", "2026-11-30")
 CAMPAIGN_TAU = [  # (row label, folder under docs/results): the campaign's drafters against the shipped ones
     # (tokens and CPU-hours from docs/results/campaign/*.jsonl and the drafters' cards)
     ("EAGLE-3 shipped before the campaign (0.67M tokens)", "campaign/tau-eagle3-shipped"),
-    ("EAGLE-3 campaign step 640 (1.24M tokens, 1.36 campaign CPU-h), shipped now",
+    ("EAGLE-3 campaign step 640 (1.24M tokens, 1.36 campaign CPU-h), shipped until 2026-12-05",
      "campaign/tau-eagle3-campaign-step640"),
+    ("EAGLE-3 campaign step 1310 (1.82M tokens, 3.1 campaign CPU-h), shipped now",
+     "campaign/tau-eagle3-campaign-step1310"),
     ("SpecBlock shipped before the campaign (0.34M tokens)", "campaign/tau-specblock-shipped"),
     ("SpecBlock campaign step 200 (0.51M tokens, 0.64 campaign CPU-h)", "campaign/tau-specblock-campaign-step200"),
     ("SpecBlock campaign step 400 (0.69M tokens, 1.36 campaign CPU-h)", "campaign/tau-specblock-campaign-step400"),
@@ -49,8 +51,10 @@ CAMPAIGN_TAU_REFERENCE = [
      "campaign/tau-specblock-campaign-step420-reference"),
     ("SpecBlock campaign step 420, shipped now: reference construction, 1 block round",
      "campaign/tau-specblock-campaign-step420-shipped"),
-    ("EAGLE-3 campaign step 640, shipped now (1.24M tokens, 1.36 campaign CPU-h)",
-     "campaign/tau-eagle3-campaign-step640"),
+    ("SpecBlock campaign step 840 (1.07M tokens, 3.2 campaign CPU-h), reference construction, 1 block round",
+     "campaign/tau-specblock-campaign-step840-shipped-settings"),
+    ("EAGLE-3 campaign step 1310, shipped now (1.82M tokens, 3.1 campaign CPU-h)",
+     "campaign/tau-eagle3-campaign-step1310"),
 ]  # fmt: skip
 SPECBLOCK_DEPTH = ("specblock-depth/tau-blocks.json", [
     ("package (default), 1 block round", "package", "/blocks=1"),
