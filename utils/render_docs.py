@@ -51,6 +51,8 @@ CAMPAIGN_TAU_REFERENCE = [
      "campaign/tau-specblock-campaign-step420-reference"),
     ("SpecBlock campaign step 420, shipped now: reference construction, 1 block round",
      "campaign/tau-specblock-campaign-step420-shipped"),
+    ("EAGLE-3 campaign step 640, shipped until 2026-12-05 (1.24M tokens, 1.36 campaign CPU-h)",
+     "campaign/tau-eagle3-campaign-step640"),
     ("SpecBlock campaign step 840 (1.07M tokens, 3.2 campaign CPU-h), reference construction, 1 block round",
      "campaign/tau-specblock-campaign-step840-shipped-settings"),
     ("EAGLE-3 campaign step 1310, shipped now (1.82M tokens, 3.1 campaign CPU-h)",
