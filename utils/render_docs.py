@@ -25,7 +25,7 @@ from tree_figure import mask_svg, tree_svg  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "docs" / "results"
 # The current runs the pages cite: (folder under docs/results, date run). Everything else under docs/results is older.
-SINGLE_STREAM = {"bfloat16": ("glance-2026-12-05", "2026-12-05"), "float32": ("glance-2026-12-05", "2026-12-05")}
+SINGLE_STREAM = {"bfloat16": ("glance-2026-12-05b", "2026-12-05"), "float32": ("glance-2026-12-05b", "2026-12-05")}
 BATCHES = ("batch-control", "bfloat16", "2026-12-02")
 TARGET_COST = ("target-cost/amd-epyc.json", "2026-12-03")
 SUFFIX_STREAMS = ("suffix-streams-bf16", "2026-12-02")
@@ -49,14 +49,19 @@ CAMPAIGN_TAU_REFERENCE = [
      "campaign/tau-specblock-shipped-reference"),
     ("SpecBlock campaign step 420 (0.71M tokens, 1.47 campaign CPU-h), reference construction, 2 block rounds",
      "campaign/tau-specblock-campaign-step420-reference"),
-    ("SpecBlock campaign step 420, shipped now: reference construction, 1 block round",
+    ("SpecBlock campaign step 420, shipped 2026-12-04 to 2026-12-05: reference construction, 1 block round",
      "campaign/tau-specblock-campaign-step420-shipped"),
     ("EAGLE-3 campaign step 640, shipped until 2026-12-05 (1.24M tokens, 1.36 campaign CPU-h)",
      "campaign/tau-eagle3-campaign-step640"),
     ("SpecBlock campaign step 840 (1.07M tokens, 3.2 campaign CPU-h), reference construction, 1 block round",
      "campaign/tau-specblock-campaign-step840-shipped-settings"),
-    ("EAGLE-3 campaign step 1310, shipped now (1.82M tokens, 3.1 campaign CPU-h)",
+    ("EAGLE-3 campaign step 1310, shipped from 2026-12-05 (1.82M tokens, 3.1 campaign CPU-h)",
      "campaign/tau-eagle3-campaign-step1310"),
+    ("SpecBlock campaign step 1560 (1.70M tokens, 4.6 campaign CPU-h), shipped now: reference construction, 1 block "
+     "round", "campaign/tau-specblock-campaign-step1560-shipped-settings"),
+    ("SpecBlock campaign step 1560, reference construction, 2 block rounds",
+     "campaign/tau-specblock-campaign-step1560-reference-2-rounds"),
+    ("EAGLE-3 campaign step 2500 (2.85M tokens, 4.5 campaign CPU-h)", "campaign/tau-eagle3-campaign-step2500"),
 ]  # fmt: skip
 SPECBLOCK_DEPTH = ("specblock-depth/tau-blocks.json", [
     ("package (default), 1 block round", "package", "/blocks=1"),
