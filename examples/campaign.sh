@@ -9,7 +9,8 @@
 #      else CAMPAIGN_DIR/DRAFTER; `--resume_from_checkpoint last`: a checkpoint every SAVE_STEPS steps, a few minutes;
 #      one whose save was interrupted is passed over), same schedule and data order;
 #   2. else the campaign's last committed weights, docs/results/campaign/DRAFTER/ (when a machine lost its files):
-#      a new run from them with a short warm-up (WARMUP_AFTER_LOSS steps) over the steps left and a data order of its
+#      a new run from them with a short warm-up (WARMUP_AFTER_LOSS steps) to the learning rate the schedule had
+#      reached there, decaying to 0 over the steps left, and a data order of its
 #      own (--data_seed = the committed step: seed 0's order would replay the conversations already trained on),
 #      recorded in docs/results/campaign/starts.jsonl and in the run's own records (its command names --init_drafter);
 #   3. else the shipped drafter (the first start).
@@ -23,7 +24,7 @@ ROOT=${2:-/work/campaign}
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 PYTHON=${PYTHON:-python}
 DATA=$ROOT/data/train.jsonl
-MAX_STEPS=${MAX_STEPS:-4400}           # x 2 conversations x ~480 tokens = about 4.2M training tokens
+MAX_STEPS=${MAX_STEPS:-7000}           # x 2 conversations x ~440 tokens = about 6.1M training tokens (45% held-out slot-0 asks for about 6.4M in all)
 SAVE_STEPS=${SAVE_STEPS:-10}           # SpecBlock: 10 steps = 3-5 minutes on one shared core
 WARMUP_AFTER_LOSS=${WARMUP_AFTER_LOSS:-20}
 LEARNING_RATE=${LEARNING_RATE:-2e-4}      # peak; 7e-4 (the shipped runs') lowered held-out accuracy when continued
@@ -76,9 +77,14 @@ elif [ -f "$COMMITTED/config.json" ]; then
   OUT=$ROOT/$DRAFTER-from-step-$DONE
   [ -n "${DRY_RUN:-}" ] || mkdir -p "$OUT"
   freeze_start "$COMMITTED"
+  # the learning rate the campaign's schedule (cosine after 100 warm-up steps) had reached at step DONE: the new run
+  # warms up to it and decays to 0 at MAX_STEPS, instead of re-warming to the peak (which cost held-out accuracy)
+  LR_NOW=$("$PYTHON" -c "import math, sys; lr, done, total = float(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]); \
+print(f'{lr * 0.5 * (1 + math.cos(math.pi * min(1, (done - 100) / (total - 100)))):.3e}')" \
+    "$LEARNING_RATE" "$DONE" "$MAX_STEPS")
   START=(--init_drafter "$OUT/start_drafter" --warmup_steps "$WARMUP_AFTER_LOSS" --max_steps $((MAX_STEPS - DONE))
-    --data_seed "$DONE" --resume_from_checkpoint last)
-  HOW="no checkpoint: from the committed weights (campaign step $DONE) with $WARMUP_AFTER_LOSS warm-up steps"
+    --learning_rate "$LR_NOW" --data_seed "$DONE" --resume_from_checkpoint last)
+  HOW="no checkpoint: from the committed weights (campaign step $DONE) with $WARMUP_AFTER_LOSS warm-up steps to lr $LR_NOW"
 else
   freeze_start "$DRAFTER-smollm2-135m-instruct"
   START=(--init_drafter "$OUT/start_drafter" --resume_from_checkpoint last --warmup_steps 100)

@@ -45,29 +45,34 @@ def _start(drafter_runs: dict[str, list[dict]], run: str) -> dict | None:
 
 
 def campaign_status(folder: Path) -> str:
-    """One row per drafter shipped before and per campaign run: every evaluation's campaign tokens, CPU-hours,
-    held-out slot-0 and estimated chain, the drafter's best slot-0 in bold."""
+    """One row per drafter shipped before and per campaign run: its campaign tokens and CPU-hours from the first to the
+    last evaluation, and held-out slot-0 / estimated chain at the first, best and last one (the drafter's best in
+    bold); every evaluation is in the JSON lines and the figure."""
     shipped, runs = json.loads((folder / "shipped.json").read_text()), _runs(folder)
-    lines = ["| run | campaign tokens | CPU-hours | held-out slot-0 | est. chain |", "|---|---|---|---|---|"]
+    lines = ["| run | evaluations | campaign tokens | CPU-hours | held-out slot-0: first / best / last | "
+             "est. chain at those three |", "|---|---|---|---|---|---|"]  # fmt: skip
     for drafter, drafter_runs in runs.items():
         start = shipped[drafter]
-        lines.append(f"| {NAMES[drafter]} shipped before (start) | 0 | 0 | {start['eval_acc_slot0']:.1%} | "
+        lines.append(f"| {NAMES[drafter]} shipped before (start) | 1 | 0 | 0 | {start['eval_acc_slot0']:.1%} | "
                      f"{start['eval_accept_length']:.3f} |")  # fmt: skip
         best = max(p["eval_acc_slot0"] for points in drafter_runs.values() for p in points)
         for run, points in drafter_runs.items():
             peak = max((p.get("learning_rate") or 0 for p in points), default=0)
             label = f"{NAMES[drafter]} `{run}`" + (f", peak lr {peak:.0e}".replace("e-0", "e-") if peak else "")
-            if (step := _continued_from(run)) is not None:
-                label += f", from the committed step {step}"
             if points[0].get("abandoned"):
                 label += " (given up)"
+            top = max(points, key=lambda p: p["eval_acc_slot0"])
+            hours = [p.get("train_cpu_seconds") for p in (points[0], points[-1])]
+            peak_cell = f"{top['eval_acc_slot0']:.1%}"
+            peak_cell = (f"**{peak_cell}**" if top["eval_acc_slot0"] == best else peak_cell) + f" (step {top['step']})"
+            slot0 = [f"{points[0]['eval_acc_slot0']:.1%}", peak_cell, f"{points[-1]['eval_acc_slot0']:.1%}"]
             cells = [
-                " / ".join(f"{p['campaign_tokens'] / 1e3:.0f}k" for p in points),
-                " / ".join(f"{p['train_cpu_seconds'] / 3600:.2f}" if p.get("train_cpu_seconds") else "-" for p in points),
-                " / ".join(f"**{p['eval_acc_slot0']:.1%}**" if p["eval_acc_slot0"] == best else
-                           f"{p['eval_acc_slot0']:.1%}" for p in points),
-                " / ".join(f"{p['eval_accept_length']:.3f}" for p in points),
-            ]  # fmt: skip
+                str(len(points)),
+                f"{points[0]['campaign_tokens'] / 1e6:.2f}M - {points[-1]['campaign_tokens'] / 1e6:.2f}M",
+                " - ".join(f"{h / 3600:.2f}" for h in hours) if all(hours) else "-",
+                " / ".join(slot0),
+                " / ".join(f"{p['eval_accept_length']:.3f}" for p in (points[0], top, points[-1])),
+            ]
             lines.append(f"| {label} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

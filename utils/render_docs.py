@@ -31,37 +31,23 @@ TARGET_COST = ("target-cost/amd-epyc.json", "2026-12-03")
 SUFFIX_STREAMS = ("suffix-streams-bf16", "2026-12-02")
 ADAPTATION = ("adaptation-stream", "2026-12-04")
 GPU_TRAINING = ("gpu-h200-2026-11-30", "2026-11-30")
-CAMPAIGN_TAU = [  # (row label, folder under docs/results): the campaign's drafters against the shipped ones
-    # (tokens and CPU-hours from docs/results/campaign/*.jsonl and the drafters' cards)
+CAMPAIGN_TAU = [  # (row label, folder under docs/results): the drafters shipped before the campaign, now, and its newest
+    # (tokens in all and campaign CPU-hours from docs/results/campaign/*.jsonl and the drafters' cards)
     ("EAGLE-3 shipped before the campaign (0.67M tokens)", "campaign/tau-eagle3-shipped"),
-    ("EAGLE-3 campaign step 640 (1.24M tokens, 1.36 campaign CPU-h), shipped until 2026-12-05",
-     "campaign/tau-eagle3-campaign-step640"),
     ("EAGLE-3 campaign step 1310 (1.82M tokens, 3.1 campaign CPU-h), shipped now",
      "campaign/tau-eagle3-campaign-step1310"),
-    ("SpecBlock shipped before the campaign (0.34M tokens)", "campaign/tau-specblock-shipped"),
-    ("SpecBlock campaign step 200 (0.51M tokens, 0.64 campaign CPU-h)", "campaign/tau-specblock-campaign-step200"),
-    ("SpecBlock campaign step 400 (0.69M tokens, 1.36 campaign CPU-h)", "campaign/tau-specblock-campaign-step400"),
-]
-CAMPAIGN_TAU_REFERENCE = [
-    ("SpecBlock shipped before (0.34M tokens), package construction, 2 block rounds",
+    ("EAGLE-3 campaign step 2500 (2.85M tokens, 4.5 campaign CPU-h)", "campaign/tau-eagle3-campaign-step2500"),
+    ("EAGLE-3 campaign step 4250 (4.38M tokens, 6.7 campaign CPU-h)", "campaign/tau-eagle3-campaign-step4250"),
+    ("SpecBlock shipped before the campaign (0.34M tokens), package construction, 2 block rounds",
      "campaign/tau-specblock-shipped"),
-    ("SpecBlock shipped before (0.34M tokens), reference construction, 2 block rounds",
-     "campaign/tau-specblock-shipped-reference"),
-    ("SpecBlock campaign step 420 (0.71M tokens, 1.47 campaign CPU-h), reference construction, 2 block rounds",
-     "campaign/tau-specblock-campaign-step420-reference"),
-    ("SpecBlock campaign step 420, shipped 2026-12-04 to 2026-12-05: reference construction, 1 block round",
-     "campaign/tau-specblock-campaign-step420-shipped"),
-    ("EAGLE-3 campaign step 640, shipped until 2026-12-05 (1.24M tokens, 1.36 campaign CPU-h)",
-     "campaign/tau-eagle3-campaign-step640"),
-    ("SpecBlock campaign step 840 (1.07M tokens, 3.2 campaign CPU-h), reference construction, 1 block round",
-     "campaign/tau-specblock-campaign-step840-shipped-settings"),
-    ("EAGLE-3 campaign step 1310, shipped from 2026-12-05 (1.82M tokens, 3.1 campaign CPU-h)",
-     "campaign/tau-eagle3-campaign-step1310"),
     ("SpecBlock campaign step 1560 (1.70M tokens, 4.6 campaign CPU-h), shipped now: reference construction, 1 block "
      "round", "campaign/tau-specblock-campaign-step1560-shipped-settings"),
     ("SpecBlock campaign step 1560, reference construction, 2 block rounds",
      "campaign/tau-specblock-campaign-step1560-reference-2-rounds"),
-    ("EAGLE-3 campaign step 2500 (2.85M tokens, 4.5 campaign CPU-h)", "campaign/tau-eagle3-campaign-step2500"),
+    ("SpecBlock campaign step 2810 (2.79M tokens, 7.2 campaign CPU-h), reference construction, 1 block round",
+     "campaign/tau-specblock-campaign-step2810-shipped-settings"),
+    ("SpecBlock campaign step 2810, reference construction, 2 block rounds",
+     "campaign/tau-specblock-campaign-step2810-reference-2-rounds"),
 ]  # fmt: skip
 SPECBLOCK_DEPTH = ("specblock-depth/tau-blocks.json", [
     ("package (default), 1 block round", "package", "/blocks=1"),
@@ -238,7 +224,6 @@ SECTIONS = {
     "docs/training.md": {
         "campaign-status": lambda: campaign_status(RESULTS / "campaign"),
         "campaign-tau": lambda: tau_by_set(CAMPAIGN_TAU),
-        "campaign-tau-reference": lambda: tau_by_set(CAMPAIGN_TAU_REFERENCE),
     },
     "docs/results/specblock-depth/README.md": {"specblock-depth": lambda: tau_by_arm(*SPECBLOCK_DEPTH)},
     "docs/results/specblock-ship/README.md": {

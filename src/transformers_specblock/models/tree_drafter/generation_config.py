@@ -124,7 +124,7 @@ class TreeGenerationConfig(GenerationConfig):
         branch_widths: Candidates drafted at a slot (greedy token included) per predicted rank class, one width per
             class of the drafter's rank head; 0 ends the branch at that slot. The default (2, 4, 6, 4) is the
             method's tuned widths: (2, 4, 6, 0), where class 3 (rank > 10) gives up, drafts almost nothing with a
-            young drafter (docs/training.md).
+            young drafter (docs/lab-notes/training-log.md).
         tree_policy: "rank" (rank-guided widths) or "fixed" (`fixed_width` candidates at every slot; an ablation).
         fixed_width: Candidates per slot when `tree_policy="fixed"`.
         Tree shape, EAGLE-3 and DFlash:
