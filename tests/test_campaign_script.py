@@ -1,0 +1,44 @@
+"""examples/campaign.sh, as printed by DRY_RUN=1: a run restarted from the campaign's committed weights continues the
+campaign's one learning-rate schedule (warm-up to the rate a cosine over MAX_STEPS reached at the committed step, then
+decay over the steps left) instead of warming up to the peak again."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def dry_run(drafter: str, campaign_dir: Path, max_steps: int) -> list[str]:
+    (campaign_dir / "data").mkdir(parents=True, exist_ok=True)
+    (campaign_dir / "data" / "train.jsonl").write_text("")  # present: the dry run builds no data
+    env = dict(os.environ, DRY_RUN="1", PYTHON=sys.executable, MAX_STEPS=str(max_steps))
+    result = subprocess.run(["bash", str(ROOT / "examples" / "campaign.sh"), drafter, str(campaign_dir)],
+                            env=env, capture_output=True, text=True, timeout=120, check=True)  # fmt: skip
+    return result.stdout.split()
+
+
+def last_value(args: list[str], flag: str) -> str:
+    """The value argparse keeps for a flag given more than once: the last."""
+    return args[max(i for i, arg in enumerate(args) if arg == flag) + 1]
+
+
+@pytest.mark.parametrize("drafter", ["specblock", "eagle3"])
+def test_restart_from_committed_weights_continues_the_schedule(tmp_path, drafter):
+    committed = json.loads((ROOT / "docs" / "results" / "campaign" / drafter / "campaign.json").read_text())
+    done, max_steps = committed["campaign_steps"], 7000
+    args = dry_run(drafter, tmp_path, max_steps)
+    peak = float(last_value(args[: args.index("--lr_scheduler_type")], "--learning_rate"))
+    expected = peak * 0.5 * (1 + math.cos(math.pi * (done - 100) / (max_steps - 100)))
+    assert float(last_value(args, "--learning_rate")) == pytest.approx(expected, rel=1e-3)
+    assert float(last_value(args, "--learning_rate")) < peak
+    assert int(last_value(args, "--max_steps")) == max_steps - done
+    assert last_value(args, "--data_seed") == str(done)
+    assert last_value(args, "--output_dir") == str(tmp_path / f"{drafter}-from-step-{done}")
