@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import load_example
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -42,3 +43,15 @@ def test_restart_from_committed_weights_continues_the_schedule(tmp_path, drafter
     assert int(last_value(args, "--max_steps")) == max_steps - done
     assert last_value(args, "--data_seed") == str(done)
     assert last_value(args, "--output_dir") == str(tmp_path / f"{drafter}-from-step-{done}")
+
+
+def test_committed_extrapolation_is_what_the_results_give():
+    """docs/results/campaign/extrapolation.json (and the aims table rendered from it) follows the committed curves and
+    tau measurements: rerun examples/campaign_extrapolation.py after adding either."""
+    extrapolation = load_example("campaign_extrapolation")
+    committed = json.loads((ROOT / "docs/results/campaign/extrapolation.json").read_text())
+    assert committed == extrapolation.extrapolate()
+    tau = committed["tau_at_16_nodes"]["fits"]
+    for fit in tau.values():  # every fit has its points in step order, and more training accepted more
+        steps = [p["step"] for p in fit["points"]]
+        assert steps == sorted(steps) and len(steps) >= 2 and fit["tau_per_doubling"] > 0

@@ -77,6 +77,40 @@ def campaign_status(folder: Path) -> str:
     return "\n".join(lines)
 
 
+def campaign_aims(folder: Path) -> str:
+    """SpecBlock's distance to the campaign's aims: where it stands, the log-linear fits of `extrapolation.json`, and
+    the CPU-hours the missing tokens take at the campaign's mean rate so far."""
+    fits = json.loads((folder / "extrapolation.json").read_text())
+    points = [p for run in _runs(folder)["specblock"].values() for p in run if not p.get("abandoned")]
+    best, last = max(points, key=lambda p: p["eval_acc_slot0"]), max(points, key=lambda p: p["tokens"])
+    tokens_per_cpu_hour = last["campaign_tokens"] / (last["train_cpu_seconds"] / 3600)
+
+    def more_hours(tokens: float) -> str:
+        return f"{max(tokens - last['tokens'], 0) / tokens_per_cpu_hour:,.0f}"
+
+    slot0_tokens = fits["tokens_to_reach"]["45%"]
+    lines = [
+        "| aim | now | gain per doubling of training tokens (points fitted) | training tokens in all to reach it | "
+        "CPU-hours more |",
+        "|---|---|---|---|---|",
+        f"| held-out slot-0 45% | {best['eval_acc_slot0']:.1%} (step {best['step']}, {best['tokens'] / 1e6:.2f}M "
+        f"tokens) | {fits['specblock_points_per_doubling']} points ({fits['specblock_points']}) | "
+        f"{slot0_tokens / 1e6:.1f}M | {more_hours(slot0_tokens)} |",
+    ]
+    tau = next(value for key, value in fits.items() if key.startswith("tau_at_"))
+    for setting, fit in tau["fits"].items():
+        now = fit["points"][-1]
+        lines.append(
+            f"| tau {tau['aim']} at 16 nodes, {setting} | {now['tau']:.2f} (step {now['step']}) | "
+            f"{fit['tau_per_doubling']:.3f} ({len(fit['points'])}) | {fit['tokens_to_reach'] / 1e6:.0f}M | "
+            f"{more_hours(fit['tokens_to_reach'])} |"
+        )
+    return "\n".join(lines) + (
+        f"\n\nCPU-hours at the campaign's mean rate so far, {tokens_per_cpu_hour / 1e6:.2f}M SpecBlock tokens per "
+        "CPU-hour (bfloat16, one thread, a core shared with the other run)."
+    )
+
+
 def _ticks(top: float) -> list[float]:
     step = next(s for s in (0.1, 0.2, 0.25, 0.5, 1, 2, 5, 10, 20) if top / s <= 6)
     return [i * step for i in range(int(top / step + 1e-9) + 1)]

@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from campaign_figure import campaign_status, campaign_svg  # noqa: E402
+from campaign_figure import campaign_aims, campaign_status, campaign_svg  # noqa: E402
 from cost_figure import cost_svg  # noqa: E402
 from docs_tables import command_reference  # noqa: E402
 from paired_tables import paired_table  # noqa: E402
@@ -224,6 +224,7 @@ SECTIONS = {
     "docs/training.md": {
         "campaign-status": lambda: campaign_status(RESULTS / "campaign"),
         "campaign-tau": lambda: tau_by_set(CAMPAIGN_TAU),
+        "campaign-aims": lambda: campaign_aims(RESULTS / "campaign"),
     },
     "docs/results/specblock-depth/README.md": {"specblock-depth": lambda: tau_by_arm(*SPECBLOCK_DEPTH)},
     "docs/results/specblock-ship/README.md": {
