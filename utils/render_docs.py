@@ -48,6 +48,10 @@ CAMPAIGN_TAU = [  # (row label, folder under docs/results): the drafters shipped
      "campaign/tau-specblock-campaign-step2810-shipped-settings"),
     ("SpecBlock campaign step 2810, reference construction, 2 block rounds",
      "campaign/tau-specblock-campaign-step2810-reference-2-rounds"),
+    ("SpecBlock campaign step 3310 (3.22M tokens, 8.7 campaign CPU-h), reference construction, 1 block round",
+     "campaign/tau-specblock-campaign-step3310-shipped-settings"),
+    ("SpecBlock campaign step 3310, reference construction, 2 block rounds",
+     "campaign/tau-specblock-campaign-step3310-reference-2-rounds"),
 ]  # fmt: skip
 SPECBLOCK_DEPTH = ("specblock-depth/tau-blocks.json", [
     ("package (default), 1 block round", "package", "/blocks=1"),
