@@ -59,10 +59,15 @@ SPECBLOCK_DEPTH = ("specblock-depth/tau-blocks.json", [
     ("reference, 1 block round (the shipped drafter's settings since)", "reference", "/blocks=1"),
     ("reference, 2 block rounds", "reference", ""),
 ])  # fmt: skip
+CAMPAIGN_SHIP = {  # README under docs/results/campaign -> its compare_drafters runs (candidate against the shipped drafter)
+    "ship-specblock-step3310-2-rounds": [("HumanEval", "campaign/ship-specblock-step3310-2-rounds/compare-humaneval"),
+                                         ("MT-Bench", "campaign/ship-specblock-step3310-2-rounds/compare-mt_bench")],
+}  # fmt: skip
+SHIP_PAIRS = [("candidate", "shipped"), ("candidate", "prompt_lookup"), ("shipped", "prompt_lookup"),
+              ("plain_control", "plain")]  # fmt: skip
 SPECBLOCK_SHIP = {  # section -> (runs, method pairs) under docs/results/specblock-ship
     "ship-compare": ([("HumanEval", "specblock-ship/compare-humaneval"), ("MT-Bench", "specblock-ship/compare-mt_bench")],
-                     [("candidate", "shipped"), ("candidate", "prompt_lookup"), ("shipped", "prompt_lookup"),
-                      ("plain_control", "plain")]),
+                     SHIP_PAIRS),
     "ship-fixed": ([("HumanEval, fixed budgets", "specblock-ship/fixed-humaneval")],
                    [("specblock_reference_one_block@8", "specblock@8"), ("specblock_reference@8", "specblock@8"),
                     ("specblock_reference_one_block@16", "specblock@16"), ("specblock_reference_one_block@8", "eagle3@8"),
@@ -230,6 +235,8 @@ SECTIONS = {
         "campaign-tau": lambda: tau_by_set(CAMPAIGN_TAU),
         "campaign-aims": lambda: campaign_aims(RESULTS / "campaign"),
     },
+    **{f"docs/results/campaign/{name}/README.md": {"ship-compare": lambda runs=runs: paired_table(runs, SHIP_PAIRS)}
+       for name, runs in CAMPAIGN_SHIP.items()},
     "docs/results/specblock-depth/README.md": {"specblock-depth": lambda: tau_by_arm(*SPECBLOCK_DEPTH)},
     "docs/results/specblock-ship/README.md": {
         name: (lambda runs=runs, pairs=pairs: paired_table(runs, pairs)) for name, (runs, pairs) in SPECBLOCK_SHIP.items()
