@@ -593,6 +593,41 @@ def test_reference_two_block_trees_are_the_harness_trees(drafter, manifest, one_
     assert sizes == [(90, 90, 25), (90, 89, 21)]  # harness nodes, distinct paths, blocks (1 + 24 and 1 + 20)
 
 
+@pytest.mark.parametrize("budget", [4, 8, 16, 32])
+def test_reference_last_round_drafts_only_what_pruning_can_keep(drafter, manifest, budget, monkeypatch, one_thread):
+    """The last round of follow-up blocks drafts only the blocks, and slots, that could place a node in the tree pruned
+    to `tree_budget`: on the fixture rounds, the same tree (paths) as drafting every block the harness drafts, from
+    fewer blocks wherever block 1 already fills the budget."""
+    from transformers_specblock.generation.tree import HostTree
+
+    trees = load_file(FIXTURES / "trees.safetensors")
+    head = drafter.lm_head.weight.detach().clone()
+    drafter.config.rank_feature_top_k = 10
+
+    def grow(case: int) -> tuple[set, int]:
+        p = f"round{case}."
+        with torch.no_grad():
+            generator = reference_generator(drafter, max_blocks=2)
+            generator.tree_budget = budget
+            generator.observe(trees[p + "features"][0], trees[p + "input_ids"][0], 1)
+            tree = generator.grow_tree(trees[p + "input_ids"][0, -1:])
+        return paths(tree.tokens[1:], [q - 1 for q in tree.parents[1:]]), generator.stats.blocks_per_iteration[-1]
+
+    try:
+        for case, scale in enumerate(manifest["followup_rounds"]["lm_head_scales"]):
+            with torch.no_grad():
+                drafter.lm_head.weight.copy_(head * scale)
+            narrowed, blocks = grow(case)
+            with monkeypatch.context() as patch:  # every start has room: the harness's round
+                patch.setattr(HostTree, "room_below", lambda self, scores, budget: [budget] * len(scores))
+                every, all_blocks = grow(case)
+            assert narrowed == every and len(every) == budget, case
+            assert blocks < all_blocks if budget < 25 else blocks <= all_blocks, (case, blocks, all_blocks)
+    finally:
+        drafter.lm_head.weight.data.copy_(head)
+        drafter.config.rank_feature_top_k = 20
+
+
 def test_reference_trees_decode_losslessly_and_the_drafter_inputs_differ_from_the_harness(target, manifest, one_thread):
     """The fixture's greedy decoding with `tree_construction="reference"` (two block steps, 90 tree tokens, set for
     the call only) and this package's context feeding: the target's own greedy tokens. Not step for step the
