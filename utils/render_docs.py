@@ -60,8 +60,11 @@ SPECBLOCK_DEPTH = ("specblock-depth/tau-blocks.json", [
     ("reference, 2 block rounds", "reference", ""),
 ])  # fmt: skip
 CAMPAIGN_SHIP = {  # README under docs/results/campaign -> its compare_drafters runs (candidate against the shipped drafter)
-    "ship-specblock-step3310-2-rounds": [("HumanEval", "campaign/ship-specblock-step3310-2-rounds/compare-humaneval"),
-                                         ("MT-Bench", "campaign/ship-specblock-step3310-2-rounds/compare-mt_bench")],
+    "ship-specblock-step3310-2-rounds": [
+        (f"{name}{when}", f"campaign/ship-specblock-step3310-2-rounds/compare-{folder}{suffix}")
+        for when, suffix in (("", ""), (", last round narrowed", "-narrowed"))
+        for name, folder in (("HumanEval", "humaneval"), ("MT-Bench", "mt_bench"))
+    ],
 }  # fmt: skip
 SHIP_PAIRS = [("candidate", "shipped"), ("candidate", "prompt_lookup"), ("shipped", "prompt_lookup"),
               ("plain_control", "plain")]  # fmt: skip
