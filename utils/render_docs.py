@@ -34,10 +34,10 @@ GPU_TRAINING = ("gpu-h200-2026-11-30", "2026-11-30")
 CAMPAIGN_TAU = [  # (row label, folder under docs/results): the drafters shipped before the campaign, now, and its newest
     # (tokens in all and campaign CPU-hours from docs/results/campaign/*.jsonl and the drafters' cards)
     ("EAGLE-3 shipped before the campaign (0.67M tokens)", "campaign/tau-eagle3-shipped"),
-    ("EAGLE-3 campaign step 1310 (1.82M tokens, 3.1 campaign CPU-h), shipped now",
+    ("EAGLE-3 campaign step 1310 (1.82M tokens, 3.1 campaign CPU-h), shipped until 2026-12-05",
      "campaign/tau-eagle3-campaign-step1310"),
     ("EAGLE-3 campaign step 2500 (2.85M tokens, 4.5 campaign CPU-h)", "campaign/tau-eagle3-campaign-step2500"),
-    ("EAGLE-3 campaign step 4250 (4.38M tokens, 6.7 campaign CPU-h)", "campaign/tau-eagle3-campaign-step4250"),
+    ("EAGLE-3 campaign step 4250 (4.38M tokens, 6.7 campaign CPU-h), shipped now", "campaign/tau-eagle3-campaign-step4250"),
     ("SpecBlock shipped before the campaign (0.34M tokens), package construction, 2 block rounds",
      "campaign/tau-specblock-shipped"),
     ("SpecBlock campaign step 1560 (1.70M tokens, 4.6 campaign CPU-h), shipped now: reference construction, 1 block "
@@ -60,6 +60,8 @@ SPECBLOCK_DEPTH = ("specblock-depth/tau-blocks.json", [
     ("reference, 2 block rounds", "reference", ""),
 ])  # fmt: skip
 CAMPAIGN_SHIP = {  # README under docs/results/campaign -> its compare_drafters runs (candidate against the shipped drafter)
+    "ship-eagle3-step4250": [("HumanEval", "campaign/ship-eagle3-step4250/compare-humaneval"),
+                             ("MT-Bench", "campaign/ship-eagle3-step4250/compare-mt_bench")],
     "ship-specblock-step3310-2-rounds": [
         (f"{name}{when}", f"campaign/ship-specblock-step3310-2-rounds/compare-{folder}{suffix}")
         for when, suffix in (("", ""), (", last round narrowed", "-narrowed"))
