@@ -17,6 +17,7 @@ from transformers_specblock import Eagle3DraftModel, LookupTreeModel
 from transformers_specblock.commands.benchmark import Method, run_benchmark
 from transformers_specblock.commands.report import markdown_tables, write_report
 from transformers_specblock.commands.exactness import NEAR_TIE_GAP
+from transformers_specblock.hub.provenance import describe_device
 
 VOCAB = 24
 
@@ -335,3 +336,21 @@ def test_repeats_run_rounds_in_rotated_order_and_keep_the_median_round(monkeypat
     for row in results.prompts:
         assert len(row.repeat_seconds) == 3 and row.seconds == sorted(row.repeat_seconds)[1], row.method
         assert row.identical_to_reference
+
+
+def test_rows_timed_on_another_machine_are_not_resumed(tmp_path):
+    """A results folder names the machine that timed its rows (machine.txt); resuming it elsewhere is refused by
+    name, so no table mixes two machines' timings or labels one machine's rows with another's name."""
+    target, tokenizer, prompts, methods, _ = tiny_setup()
+    run_benchmark(target, tokenizer, prompts.select(range(1)), methods[:1], max_new_tokens=4, output_dir=tmp_path)
+    record = tmp_path / "machine.txt"
+    assert record.read_text().strip() == describe_device(target.device)
+    run_benchmark(target, tokenizer, prompts.select(range(2)), methods[:1], max_new_tokens=4, output_dir=tmp_path)
+    record.write_text("Some Other CPU, 64 cores, AVX2\n")
+    with pytest.raises(ValueError, match="timed on Some Other CPU.*this machine is"):
+        run_benchmark(target, tokenizer, prompts, methods[:1], max_new_tokens=4, output_dir=tmp_path)
+    older = tmp_path / "older"  # rows written before machine.txt existed: resumed, and no machine is guessed for them
+    older.mkdir()
+    (older / "per_prompt.jsonl").write_text((tmp_path / "per_prompt.jsonl").read_text())
+    run_benchmark(target, tokenizer, prompts.select(range(2)), methods[:1], max_new_tokens=4, output_dir=older)
+    assert not (older / "machine.txt").exists()

@@ -112,3 +112,20 @@ def write_atomically(path: str | os.PathLike, text: str) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+def check_same_machine(folder: str | os.PathLike, machine: str, rows: str = "per_prompt.jsonl") -> None:
+    """Timed rows from two machines do not compare: ``folder/machine.txt`` names the machine that timed the rows in
+    ``folder/rows`` (written before the first row), and resuming them on another machine is refused."""
+    record = os.path.join(folder, "machine.txt")
+    if os.path.exists(record):
+        with open(record) as f:
+            recorded = f.read().strip()
+        if recorded != machine:
+            raise ValueError(
+                f"{folder} holds rows timed on {recorded}; this machine is {machine}. Rows timed on two machines do not "
+                f"compare: pass another output folder, or delete {os.path.join(folder, rows)} to measure them again here."
+            )
+    elif not os.path.exists(os.path.join(folder, rows)):  # rows of an older folder name no machine: none is guessed
+        os.makedirs(folder, exist_ok=True)
+        write_atomically(record, machine + "\n")

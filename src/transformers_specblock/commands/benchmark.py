@@ -5,8 +5,8 @@ assisted generation, tree drafters and their ablations) on a prompt set and reco
 tokens, seconds, tau, drafting / verification time, drafter forwards and nodes per iteration, and whether the greedy
 output equals the reference; where it does not, the first differing position and the float32 logit gap between the
 two tokens there (`exactness.first_divergence`: in 16-bit a flip at a near-tie is round-off, elsewhere a bug).
-Per-prompt rows are appended to `per_prompt.jsonl`, so an interrupted run resumes; `report` writes the tables and
-figures.
+Per-prompt rows are appended to `per_prompt.jsonl`, so an interrupted run resumes on the machine that timed them
+(`machine.txt`; elsewhere it is refused); `report` writes the tables and figures.
 """
 
 from __future__ import annotations
@@ -26,7 +26,9 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from transformers.utils import logging
 
 from ..generation.op_counter import OpCounts, count_ops
+from ..hub.provenance import describe_device
 from ..models.tree_drafter.modeling_tree_drafter import TreeDraftModel
+from ..utils import check_same_machine
 from .exactness import NEAR_TIE_GAP, first_divergence_in_batch, float32_copy
 
 logger = logging.get_logger(__name__)
@@ -273,6 +275,8 @@ def run_benchmark(
     settings["near_tie_gap"] = NEAR_TIE_GAP if measured else None  # the largest float32 gap counted as a near-tie
     results = BenchmarkResults(settings=settings)
     log = Path(output_dir, "per_prompt.jsonl") if output_dir is not None else None
+    if log is not None:
+        check_same_machine(output_dir, describe_device(target.device), log.name)
     if log is not None and log.exists():
         results.prompts = [PromptResult(**json.loads(line)) for line in log.read_text().splitlines() if line]
     done = {(r.prompt_id, r.method) for r in results.prompts}
