@@ -38,6 +38,7 @@ CAMPAIGN_TAU = [  # (row label, folder under docs/results): the drafters shipped
      "campaign/tau-eagle3-campaign-step1310"),
     ("EAGLE-3 campaign step 2500 (2.85M tokens, 4.5 campaign CPU-h)", "campaign/tau-eagle3-campaign-step2500"),
     ("EAGLE-3 campaign step 4250 (4.38M tokens, 6.7 campaign CPU-h), shipped now", "campaign/tau-eagle3-campaign-step4250"),
+    ("EAGLE-3 campaign step 5080 (5.11M tokens, 7.7 campaign CPU-h)", "campaign/tau-eagle3-campaign-step5080"),
     ("SpecBlock shipped before the campaign (0.34M tokens), package construction, 2 block rounds",
      "campaign/tau-specblock-shipped"),
     ("SpecBlock campaign step 1560 (1.70M tokens, 4.6 campaign CPU-h), shipped now: reference construction, 1 block "
@@ -52,6 +53,8 @@ CAMPAIGN_TAU = [  # (row label, folder under docs/results): the drafters shipped
      "campaign/tau-specblock-campaign-step3310-shipped-settings"),
     ("SpecBlock campaign step 3310, reference construction, 2 block rounds",
      "campaign/tau-specblock-campaign-step3310-reference-2-rounds"),
+    ("SpecBlock campaign step 3780 (3.63M tokens, 9.7 campaign CPU-h), reference construction, 1 block round",
+     "campaign/tau-specblock-campaign-step3780-shipped-settings"),
 ]  # fmt: skip
 SPECBLOCK_DEPTH = ("specblock-depth/tau-blocks.json", [
     ("package (default), 1 block round", "package", "/blocks=1"),
