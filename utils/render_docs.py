@@ -55,6 +55,8 @@ CAMPAIGN_TAU = [  # (row label, folder under docs/results): the drafters shipped
      "campaign/tau-specblock-campaign-step3310-reference-2-rounds"),
     ("SpecBlock campaign step 3780 (3.63M tokens, 9.7 campaign CPU-h), reference construction, 1 block round",
      "campaign/tau-specblock-campaign-step3780-shipped-settings"),
+    ("SpecBlock campaign step 3780, reference construction, 2 block rounds",
+     "campaign/tau-specblock-campaign-step3780-reference-2-rounds"),
 ]  # fmt: skip
 SPECBLOCK_DEPTH = ("specblock-depth/tau-blocks.json", [
     ("package (default), 1 block round", "package", "/blocks=1"),
