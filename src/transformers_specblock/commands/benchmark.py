@@ -6,7 +6,7 @@ tokens, seconds, tau, drafting / verification time, drafter forwards and nodes p
 output equals the reference; where it does not, the first differing position and the float32 logit gap between the
 two tokens there (`exactness.first_divergence`: in 16-bit a flip at a near-tie is round-off, elsewhere a bug).
 Per-prompt rows are appended to `per_prompt.jsonl`, so an interrupted run resumes on the machine that timed them
-(`machine.txt`; elsewhere it is refused); `report` writes the tables and figures.
+(`machine.txt`); `report` writes the tables and figures.
 """
 
 from __future__ import annotations
@@ -277,8 +277,8 @@ def run_benchmark(
     log = Path(output_dir, "per_prompt.jsonl") if output_dir is not None else None
     if log is not None:
         check_same_machine(output_dir, describe_device(target.device), log.name)
-    if log is not None and log.exists():
-        results.prompts = [PromptResult(**json.loads(line)) for line in log.read_text().splitlines() if line]
+        if log.exists():
+            results.prompts = [PromptResult(**json.loads(line)) for line in log.read_text().splitlines() if line]
     done = {(r.prompt_id, r.method) for r in results.prompts}
     groups = [[prompts[i] for i in range(start, min(start + batch_size, len(prompts)))]
               for start in range(0, len(prompts), batch_size)]  # fmt: skip
