@@ -58,6 +58,30 @@ CAMPAIGN_TAU = [  # (row label, folder under docs/results): the drafters shipped
     ("SpecBlock campaign step 3780, reference construction, 2 block rounds",
      "campaign/tau-specblock-campaign-step3780-reference-2-rounds"),
 ]  # fmt: skip
+CAMPAIGN_STEP_TAU = {  # README under docs/results -> its generated tau tables: (row label, folder under docs/results)
+    "docs/results/campaign/README.md": {
+        "tau-step3310": [
+            ("SpecBlock step 3310, reference trees, 1 block round (shipped settings)",
+             "campaign/tau-specblock-campaign-step3310-shipped-settings"),
+            ("SpecBlock step 3310, reference trees, 2 block rounds",
+             "campaign/tau-specblock-campaign-step3310-reference-2-rounds"),
+        ],
+        "tau-step3780": [
+            ("SpecBlock step 3780 (9.7 campaign CPU-h), reference trees, 1 block round (shipped settings)",
+             "campaign/tau-specblock-campaign-step3780-shipped-settings"),
+            ("SpecBlock step 3780, reference trees, 2 block rounds",
+             "campaign/tau-specblock-campaign-step3780-reference-2-rounds"),
+            ("EAGLE-3 step 5080 (7.7 campaign CPU-h)", "campaign/tau-eagle3-campaign-step5080"),
+        ],
+    },
+    "docs/results/campaign/ship-eagle3-step4250/README.md": {
+        "tau-candidate": [
+            ("EAGLE-3 shipped: campaign step 1310 (1.82M tokens in all, 3.1 campaign CPU-h)",
+             "campaign/tau-eagle3-campaign-step1310"),
+            ("EAGLE-3 campaign step 4250 (4.38M tokens in all, 6.7 campaign CPU-h)", "campaign/tau-eagle3-campaign-step4250"),
+        ],
+    },
+}  # fmt: skip
 SPECBLOCK_DEPTH = ("specblock-depth/tau-blocks.json", [
     ("package (default), 1 block round", "package", "/blocks=1"),
     ("package (default), 2 block rounds (the shipped drafter's settings until 2026-12-04)", "package", ""),
@@ -254,6 +278,8 @@ SECTIONS = {
         name: (lambda runs=runs, pairs=pairs: paired_table(runs, pairs)) for name, (runs, pairs) in SPECBLOCK_SHIP.items()
     },
 }
+for path, tables in CAMPAIGN_STEP_TAU.items():
+    SECTIONS.setdefault(path, {}).update({name: (lambda rows=rows: tau_by_set(rows)) for name, rows in tables.items()})
 FIGURES = {
     "docs/figures/tree.svg": tree_svg,
     "docs/figures/tree-mask.svg": mask_svg,
