@@ -81,6 +81,14 @@ CAMPAIGN_STEP_TAU = {  # README under docs/results -> its generated tau tables: 
             ("EAGLE-3 campaign step 4250 (4.38M tokens in all, 6.7 campaign CPU-h)", "campaign/tau-eagle3-campaign-step4250"),
         ],
     },
+    "docs/results/campaign/ship-specblock-step3780/README.md": {
+        "tau-candidate": [
+            ("SpecBlock shipped: campaign step 1560 (1.70M tokens in all, 4.6 campaign CPU-h)",
+             "campaign/tau-specblock-campaign-step1560-shipped-settings"),
+            ("SpecBlock campaign step 3780 (3.63M tokens in all, 9.7 campaign CPU-h)",
+             "campaign/tau-specblock-campaign-step3780-shipped-settings"),
+        ],
+    },
 }  # fmt: skip
 SPECBLOCK_DEPTH = ("specblock-depth/tau-blocks.json", [
     ("package (default), 1 block round", "package", "/blocks=1"),
@@ -91,6 +99,8 @@ SPECBLOCK_DEPTH = ("specblock-depth/tau-blocks.json", [
 CAMPAIGN_SHIP = {  # README under docs/results/campaign -> its compare_drafters runs (candidate against the shipped drafter)
     "ship-eagle3-step4250": [("HumanEval", "campaign/ship-eagle3-step4250/compare-humaneval"),
                              ("MT-Bench", "campaign/ship-eagle3-step4250/compare-mt_bench")],
+    "ship-specblock-step3780": [("HumanEval", "campaign/ship-specblock-step3780/compare-humaneval"),
+                                ("MT-Bench", "campaign/ship-specblock-step3780/compare-mt_bench")],
     "ship-specblock-step3310-2-rounds": [
         (f"{name}{when}", f"campaign/ship-specblock-step3310-2-rounds/compare-{folder}{suffix}")
         for when, suffix in (("", ""), (", last round narrowed", "-narrowed"))
