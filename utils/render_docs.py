@@ -108,6 +108,8 @@ CAMPAIGN_SHIP = {  # README under docs/results/campaign -> its compare_drafters 
     ],
 }  # fmt: skip
 AUTO_VS_FIXED = [(f"fixed {budget} nodes / auto", f"auto-vs-fixed/budget{budget}-mt_bench") for budget in (8, 16)]
+AUTO_VS_FIXED_AMX = [(f"{title}, fixed 16 nodes / auto", f"auto-vs-fixed/amx-budget16-{name}") for name, title in
+                     (("humaneval", "HumanEval"), ("mt_bench", "MT-Bench"))]  # fmt: skip
 SHIP_PAIRS = [("candidate", "shipped"), ("candidate", "prompt_lookup"), ("shipped", "prompt_lookup"),
               ("plain_control", "plain")]  # fmt: skip
 SPECBLOCK_SHIP = {  # section -> (runs, method pairs) under docs/results/specblock-ship
@@ -282,7 +284,8 @@ SECTIONS = {
     },
     **{f"docs/results/campaign/{name}/README.md": {"ship-compare": lambda runs=runs: paired_table(runs, SHIP_PAIRS)}
        for name, runs in CAMPAIGN_SHIP.items()},
-    "docs/results/auto-vs-fixed/README.md": {"ship-compare": lambda: paired_table(AUTO_VS_FIXED, SHIP_PAIRS)},
+    "docs/results/auto-vs-fixed/README.md": {"ship-compare": lambda: paired_table(AUTO_VS_FIXED, SHIP_PAIRS),
+                                             "amx-compare": lambda: paired_table(AUTO_VS_FIXED_AMX, SHIP_PAIRS)},
     "docs/results/specblock-depth/README.md": {"specblock-depth": lambda: tau_by_arm(*SPECBLOCK_DEPTH)},
     "docs/results/specblock-ship/README.md": {
         name: (lambda runs=runs, pairs=pairs: paired_table(runs, pairs)) for name, (runs, pairs) in SPECBLOCK_SHIP.items()
