@@ -41,8 +41,8 @@ CAMPAIGN_TAU = [  # (row label, folder under docs/results): the drafters shipped
     ("EAGLE-3 campaign step 5080 (5.11M tokens, 7.7 campaign CPU-h)", "campaign/tau-eagle3-campaign-step5080"),
     ("SpecBlock shipped before the campaign (0.34M tokens), package construction, 2 block rounds",
      "campaign/tau-specblock-shipped"),
-    ("SpecBlock campaign step 1560 (1.70M tokens, 4.6 campaign CPU-h), shipped now: reference construction, 1 block "
-     "round", "campaign/tau-specblock-campaign-step1560-shipped-settings"),
+    ("SpecBlock campaign step 1560 (1.70M tokens, 4.6 campaign CPU-h), shipped until 2026-12-06: reference "
+     "construction, 1 block round", "campaign/tau-specblock-campaign-step1560-shipped-settings"),
     ("SpecBlock campaign step 1560, reference construction, 2 block rounds",
      "campaign/tau-specblock-campaign-step1560-reference-2-rounds"),
     ("SpecBlock campaign step 2810 (2.79M tokens, 7.2 campaign CPU-h), reference construction, 1 block round",
@@ -53,8 +53,8 @@ CAMPAIGN_TAU = [  # (row label, folder under docs/results): the drafters shipped
      "campaign/tau-specblock-campaign-step3310-shipped-settings"),
     ("SpecBlock campaign step 3310, reference construction, 2 block rounds",
      "campaign/tau-specblock-campaign-step3310-reference-2-rounds"),
-    ("SpecBlock campaign step 3780 (3.63M tokens, 9.7 campaign CPU-h), reference construction, 1 block round",
-     "campaign/tau-specblock-campaign-step3780-shipped-settings"),
+    ("SpecBlock campaign step 3780 (3.63M tokens, 9.7 campaign CPU-h), shipped now: reference construction, 1 block "
+     "round", "campaign/tau-specblock-campaign-step3780-shipped-settings"),
     ("SpecBlock campaign step 3780, reference construction, 2 block rounds",
      "campaign/tau-specblock-campaign-step3780-reference-2-rounds"),
 ]  # fmt: skip
