@@ -57,6 +57,10 @@ CAMPAIGN_TAU = [  # (row label, folder under docs/results): the drafters shipped
      "round", "campaign/tau-specblock-campaign-step3780-shipped-settings"),
     ("SpecBlock campaign step 3780, reference construction, 2 block rounds",
      "campaign/tau-specblock-campaign-step3780-reference-2-rounds"),
+    ("SpecBlock campaign step 4110 (3.92M tokens, 10.3 campaign CPU-h), reference construction, 1 block round",
+     "campaign/tau-specblock-campaign-step4110-shipped-settings"),
+    ("SpecBlock campaign step 4110, reference construction, 2 block rounds",
+     "campaign/tau-specblock-campaign-step4110-reference-2-rounds"),
 ]  # fmt: skip
 CAMPAIGN_STEP_TAU = {  # README under docs/results -> its generated tau tables: (row label, folder under docs/results)
     "docs/results/campaign/README.md": {
@@ -72,6 +76,12 @@ CAMPAIGN_STEP_TAU = {  # README under docs/results -> its generated tau tables: 
             ("SpecBlock step 3780, reference trees, 2 block rounds",
              "campaign/tau-specblock-campaign-step3780-reference-2-rounds"),
             ("EAGLE-3 step 5080 (7.7 campaign CPU-h)", "campaign/tau-eagle3-campaign-step5080"),
+        ],
+        "tau-step4110": [
+            ("SpecBlock step 4110 (10.3 campaign CPU-h), reference trees, 1 block round (shipped settings)",
+             "campaign/tau-specblock-campaign-step4110-shipped-settings"),
+            ("SpecBlock step 4110, reference trees, 2 block rounds",
+             "campaign/tau-specblock-campaign-step4110-reference-2-rounds"),
         ],
     },
     "docs/results/campaign/ship-eagle3-step4250/README.md": {
