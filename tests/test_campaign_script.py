@@ -55,3 +55,20 @@ def test_committed_extrapolation_is_what_the_results_give():
     for fit in tau.values():  # every fit has its points in step order, and more training accepted more
         steps = [p["step"] for p in fit["points"]]
         assert steps == sorted(steps) and len(steps) >= 2 and fit["tau_per_doubling"] > 0
+
+
+def test_precision_follows_the_host(tmp_path):
+    """bfloat16 where this CPU multiplies it natively, float32 where it is emulated (10-20x slower to train)."""
+    from transformers_specblock.hub.provenance import native_bfloat16_flags
+
+    args = dry_run("specblock", tmp_path, 7000)
+    native = bool(native_bfloat16_flags())
+    assert last_value(args, "--dtype") == ("bfloat16" if native else "float32")
+    assert ("--bf16" in args) == native
+
+
+def test_native_bfloat16_flags_read_the_cpu_flags():
+    from transformers_specblock.hub.provenance import native_bfloat16_flags
+
+    assert native_bfloat16_flags({"flags": "fpu avx2 fma"}) == []
+    assert native_bfloat16_flags({"flags": "avx2 avx512f avx512_bf16 amx_bf16 amx_tile"}) == ["amx_bf16", "avx512_bf16"]

@@ -101,11 +101,16 @@ def _cpu_name(info: dict[str, str]) -> str:
     return name
 
 
+def native_bfloat16_flags(info: dict[str, str] | None = None) -> list[str]:
+    """The CPU flags that make bfloat16 matmuls native here (AVX512-BF16, AMX); empty where bfloat16 is emulated."""
+    flags = set((info if info is not None else _cpu_info()).get("flags", "").split())
+    return sorted(flags & {"avx512_bf16", "amx_bf16"})
+
+
 def cpu_capability(info: dict[str, str] | None = None) -> str:
     """The vector ISA torch's CPU kernels use here, and whether the CPU multiplies bfloat16 natively: without
     AVX512-BF16 or AMX, a bfloat16 matmul of several rows (a tree verification, training) is far slower than float32."""
-    flags = set((info if info is not None else _cpu_info()).get("flags", "").split())
-    native = sorted(flags & {"avx512_bf16", "amx_bf16"})
+    native = native_bfloat16_flags(info)
     return f"torch {torch.backends.cpu.get_cpu_capability()}, " + (
         f"native bfloat16 ({', '.join(native)})" if native else "no native bfloat16 matmul"
     )
