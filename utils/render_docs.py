@@ -120,6 +120,8 @@ CAMPAIGN_SHIP = {  # README under docs/results/campaign -> its compare_drafters 
 AUTO_VS_FIXED = [(f"fixed {budget} nodes / auto", f"auto-vs-fixed/budget{budget}-mt_bench") for budget in (8, 16)]
 AUTO_VS_FIXED_AMX = [(f"{title}, fixed 16 nodes / auto", f"auto-vs-fixed/amx-budget16-{name}") for name, title in
                      (("humaneval", "HumanEval"), ("mt_bench", "MT-Bench"))]  # fmt: skip
+AUTO_VS_FIXED_AVX2 = [(f"{title}, fixed {budget} nodes / auto", f"auto-vs-fixed/avx2-float32-budget{budget}-{name}")
+                      for budget in (8, 16) for name, title in (("humaneval", "HumanEval"), ("mt_bench", "MT-Bench"))]
 SHIP_PAIRS = [("candidate", "shipped"), ("candidate", "prompt_lookup"), ("shipped", "prompt_lookup"),
               ("plain_control", "plain")]  # fmt: skip
 SPECBLOCK_SHIP = {  # section -> (runs, method pairs) under docs/results/specblock-ship
@@ -166,7 +168,7 @@ def gpu_inference_runs() -> list[str]:
 def glance(root: str = "docs/results") -> str:
     """Method x prompt set, speed-up over plain `generate` and tau, batch 1, one column per dtype and prompt set;
     ``root`` is docs/results as seen from the page (README.md links folders, the site links the files)."""
-    columns, notes = [], []
+    columns, notes, hosts = [], [], {}
     for dtype, (folder, date) in SINGLE_STREAM.items():
         links = []
         for prompts, title in PROMPT_SETS.items():
@@ -174,8 +176,13 @@ def glance(root: str = "docs/results") -> str:
             columns.append((f"{title}, {dtype}", data["methods"]))
             links.append(f"[{title}]({root}/{folder}/{dtype}-{prompts}-b1/results.json)")
         settings = data["settings"]
+        hosts[dtype] = settings["hardware"]
         where = f"[`{folder}`]({root}/{folder}/)" if root.startswith("docs/") else f"`{folder}` ({', '.join(links)})"
         notes.append(f"{dtype}: {where}, {date}")
+    if len(set(hosts.values())) == 1:
+        host = settings["hardware"]
+    else:  # each dtype measured where it is the host's fast one
+        host = "; ".join(f"{hardware} ({dtype})" for dtype, hardware in hosts.items())
     header = "| method | " + " | ".join(name for name, _ in columns) + " |"
     lines = [header, "|---" * (len(columns) + 1) + "|"]
     for key, name in GLANCE_METHODS.items():
@@ -186,7 +193,7 @@ def glance(root: str = "docs/results") -> str:
         *lines, "",
         f"Speed-up over plain `generate` in the same run (tau: tokens committed per target forward), batch 1, greedy, "
         f"{settings['num_prompts']} prompts x {settings['max_new_tokens']} new tokens, "
-        f"{settings['target_model']} on {settings['hardware']}, one thread, the shipped drafters as shipped. "
+        f"{settings['target_model']} on {host}, one thread, the shipped drafters as shipped. "
         f"Results: {'; '.join(notes)}.",
         "",
         ("GPU: " + ", ".join(gpu)) if gpu else "GPU: not measured yet.",
@@ -295,7 +302,8 @@ SECTIONS = {
     **{f"docs/results/campaign/{name}/README.md": {"ship-compare": lambda runs=runs: paired_table(runs, SHIP_PAIRS)}
        for name, runs in CAMPAIGN_SHIP.items()},
     "docs/results/auto-vs-fixed/README.md": {"ship-compare": lambda: paired_table(AUTO_VS_FIXED, SHIP_PAIRS),
-                                             "amx-compare": lambda: paired_table(AUTO_VS_FIXED_AMX, SHIP_PAIRS)},
+                                             "amx-compare": lambda: paired_table(AUTO_VS_FIXED_AMX, SHIP_PAIRS),
+                                             "avx2-compare": lambda: paired_table(AUTO_VS_FIXED_AVX2, SHIP_PAIRS)},
     "docs/results/specblock-depth/README.md": {"specblock-depth": lambda: tau_by_arm(*SPECBLOCK_DEPTH)},
     "docs/results/specblock-ship/README.md": {
         name: (lambda runs=runs, pairs=pairs: paired_table(runs, pairs)) for name, (runs, pairs) in SPECBLOCK_SHIP.items()
