@@ -25,7 +25,7 @@ from tree_figure import mask_svg, tree_svg  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "docs" / "results"
 # The current runs the pages cite: (folder under docs/results, date run). Everything else under docs/results is older.
-SINGLE_STREAM = {"bfloat16": ("glance-2026-12-05c", "2026-12-05"), "float32": ("glance-2026-12-05c", "2026-12-05")}
+SINGLE_STREAM = {"bfloat16": ("glance-2026-12-05c", "2026-12-05"), "float32": ("glance-2026-12-06-avx2", "2026-12-06")}
 BATCHES = ("batch-control", "bfloat16", "2026-12-02")
 TARGET_COST = ("target-cost/amd-epyc.json", "2026-12-03")
 SUFFIX_STREAMS = ("suffix-streams-bf16", "2026-12-02")
@@ -180,9 +180,9 @@ def glance(root: str = "docs/results") -> str:
         where = f"[`{folder}`]({root}/{folder}/)" if root.startswith("docs/") else f"`{folder}` ({', '.join(links)})"
         notes.append(f"{dtype}: {where}, {date}")
     if len(set(hosts.values())) == 1:
-        host = settings["hardware"]
-    else:  # each dtype measured where it is the host's fast one
-        host = "; ".join(f"{hardware} ({dtype})" for dtype, hardware in hosts.items())
+        where_run = f" on {settings['hardware']}"
+    else:  # each dtype measured on a host where it is the fast one
+        where_run = "".join(f"; {dtype} on {hardware}" for dtype, hardware in hosts.items())
     header = "| method | " + " | ".join(name for name, _ in columns) + " |"
     lines = [header, "|---" * (len(columns) + 1) + "|"]
     for key, name in GLANCE_METHODS.items():
@@ -193,7 +193,7 @@ def glance(root: str = "docs/results") -> str:
         *lines, "",
         f"Speed-up over plain `generate` in the same run (tau: tokens committed per target forward), batch 1, greedy, "
         f"{settings['num_prompts']} prompts x {settings['max_new_tokens']} new tokens, "
-        f"{settings['target_model']} on {host}, one thread, the shipped drafters as shipped. "
+        f"{settings['target_model']}{where_run}; one thread, the shipped drafters as shipped. "
         f"Results: {'; '.join(notes)}.",
         "",
         ("GPU: " + ", ".join(gpu)) if gpu else "GPU: not measured yet.",
