@@ -13,7 +13,7 @@ from transformers_specblock.generation import CANDIDATE_GENERATOR_MAPPING
 from transformers_specblock.generation.auto_choosers import auto_budget_for
 from transformers_specblock.generation.budget import PLAIN, AutoBudget, best_budget
 from transformers_specblock.generation.target_cost import MAX_RELATIVE_COST, TargetCost
-from transformers_specblock.generation.candidate_generators.base import TreeCandidateGenerator
+from transformers_specblock.generation.candidate_generators.base import PLAIN_SHADOW_INTERVAL, TreeCandidateGenerator
 from transformers_specblock.generation.lookup import FreeShadow
 from transformers_specblock.generation.tree import DraftTree, HostTree
 from transformers_specblock.models.tree_drafter.generation_config import (
@@ -572,10 +572,13 @@ def test_drafted_steps_tell_what_the_free_candidates_alone_would_have_committed(
     assert chooser.estimates()[0] == 1.0 and chooser.choose() == PLAIN
 
 
-def test_the_free_alone_estimate_is_exact_against_the_committed_text():
+def test_the_free_alone_estimate_is_exact_against_the_committed_text(monkeypatch):
     """In a real call every resolved budget-0 sample of a drafted step equals what its tree's best path matches of
     the text the target went on to commit (found here by brute force from the call's output), plus one; float32
-    greedy, so the output is the target's own. A lookup tree (no drafter) adds none: its budget-0 steps are real."""
+    greedy, so the output is the target's own. A lookup tree (no drafter) adds none: its budget-0 steps are real.
+    The shadows are kept whole here (this checks how they are scored, not how they are sized): sized by the tiny
+    target's cost curve, most would be cut to their root."""
+    monkeypatch.setattr(AutoBudget, "free_alone_tree", lambda self, tree: tree)
     target = make_target("llama", vocab_size=24, seed=3)
     prompt = torch.tensor([[1, 2, 3, 4, 5, 6, 1, 2, 3, 4, 5, 6, 1, 2, 3, 7, 1, 2, 3, 4, 5]])
     drafter = make_drafter(target, tree_budget="auto", auto_budget_candidates=[0, 8], auto_budget_warmup=1000,
@@ -614,6 +617,35 @@ def test_the_free_alone_estimate_is_exact_against_the_committed_text():
                                          auto_budget_warmup=1000)  # fmt: skip
     target.generate(prompt, assistant_model=lookup, max_new_tokens=12, do_sample=False)
     assert lookup.serving_state().auto_budget.free_tau.count == 0
+
+
+def test_the_free_alone_trees_are_sized_as_after_the_warm_up_while_warming_up():
+    """Budget 0's estimates are for the steps after the warm-up, which verify the free candidates' tree cut to what
+    pays: a shadow measured whole while warming up would make budget 0 look dearer (and commit more) than it will."""
+    chooser = AutoBudget([0, 8], TargetCost([0, 8], [1.0, 1.8]), warmup=8, free_at_zero=True)  # 0.1 step a node
+    tree = HostTree.root_only(0)
+    tree.merge_chain([5, 6, 7, 8], [-0.1, -0.2, -3.0, -4.0], "prompt_lookup")  # two likely nodes, two unlikely
+    assert chooser.trees < chooser.warmup and chooser.free_alone_tree(tree).num_drafted == 2
+    chooser.trees = chooser.warmup
+    assert chooser.free_alone_tree(tree).num_drafted == 2
+
+
+def test_plain_steps_keep_measuring_the_free_candidates_alone(monkeypatch):
+    """While plain steps are chosen, every `PLAIN_SHADOW_INTERVAL`-th one scores the free candidates' tree alone
+    against the text the target commits, with no drafter call: budget 0's estimate stays fresh (a text that starts to
+    repeat brings the free candidates back) at the cost of their lookups alone; the output stays the target's own."""
+    monkeypatch.setattr(AutoBudget, "free_alone_tree", lambda self, tree: tree)  # whole: scoring, not sizing
+    monkeypatch.setattr(AutoBudget, "next_budget", lambda self, *args, **kwargs: PLAIN)
+    target = make_target("llama", vocab_size=24, seed=3)
+    prompt = torch.tensor([[1, 2, 3, 4, 5, 6, 1, 2, 3, 4, 5, 6, 1, 2, 3, 7, 1, 2, 3, 4, 5]])
+    drafter = make_drafter(target, tree_budget="auto", auto_budget_candidates=[0, 8], prompt_lookup_num_tokens=4,
+                           ngram_cache_num_tokens=3)  # fmt: skip
+    out = target.generate(prompt, assistant_model=drafter, max_new_tokens=24, do_sample=False)
+    assert out.tolist() == target.generate(prompt, max_new_tokens=24, do_sample=False).tolist()
+    stats, chooser = drafter.last_stats, drafter.serving_state().auto_budget
+    assert stats.drafter_forwards == 0 and stats.tau == 1.0 and stats.iterations == 23  # plain steps only
+    assert chooser.free_tau.count in (23 // PLAIN_SHADOW_INTERVAL - 1, 23 // PLAIN_SHADOW_INTERVAL)  # last: unresolved
+    assert chooser.free_size.mean(chooser.clock) > 0
 
 
 def test_a_drafting_chooser_keeps_measuring_the_free_candidates_alone():

@@ -43,3 +43,17 @@ def paired_table(runs: list[tuple[str, str]], pairs: list[tuple[str, str]]) -> s
                 f" | {sum(r > 1 for r in ratios)} of {len(ratios)} |"
             )
     return "\n".join(lines)
+
+
+def variants_by_prompt(rows_file: str, variants: dict[str, str]) -> str:
+    """An interleaved A/B's JSON lines (seconds per method, `plain` among them, and tau per variant; several repeats
+    of each prompt): per prompt, each variant's median speed-up over plain and median tau. ``variants``: the rows'
+    names -> column titles."""
+    rows = [json.loads(line) for line in (RESULTS / rows_file).read_text().splitlines()]
+    lines = ["| prompt | " + " | ".join(variants.values()) + " |", "|---" * (len(variants) + 1) + "|"]
+    for prompt in dict.fromkeys(row["id"] for row in rows):
+        same = [row for row in rows if row["id"] == prompt]
+        cells = [f"{statistics.median(row['plain'] / row[name] for row in same):.2f}x "
+                 f"({statistics.median(row['tau'][name] for row in same):.2f})" for name in variants]  # fmt: skip
+        lines.append(f"| {prompt} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)

@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from campaign_figure import campaign_aims, campaign_status, campaign_svg  # noqa: E402
 from cost_figure import cost_svg  # noqa: E402
 from docs_tables import command_reference  # noqa: E402
-from paired_tables import paired_table  # noqa: E402
+from paired_tables import paired_table, variants_by_prompt  # noqa: E402
 from tau_tables import tau_by_arm, tau_by_set  # noqa: E402
 from tree_figure import mask_svg, tree_svg  # noqa: E402
 
@@ -122,6 +122,8 @@ AUTO_VS_FIXED_AMX = [(f"{title}, fixed 16 nodes / auto", f"auto-vs-fixed/amx-bud
                      (("humaneval", "HumanEval"), ("mt_bench", "MT-Bench"))]  # fmt: skip
 AUTO_VS_FIXED_AVX2 = [(f"{title}, fixed {budget} nodes / auto", f"auto-vs-fixed/avx2-float32-budget{budget}-{name}")
                       for budget in (8, 16) for name, title in (("humaneval", "HumanEval"), ("mt_bench", "MT-Bench"))]
+FRESH_CHOOSER = ("auto-vs-fixed/fresh-chooser-demo.jsonl",
+                 {"current": "now", "current2": "now, second copy (A/A)", "before": "before"})
 SHIP_PAIRS = [("candidate", "shipped"), ("candidate", "prompt_lookup"), ("shipped", "prompt_lookup"),
               ("plain_control", "plain")]  # fmt: skip
 SPECBLOCK_SHIP = {  # section -> (runs, method pairs) under docs/results/specblock-ship
@@ -303,7 +305,8 @@ SECTIONS = {
        for name, runs in CAMPAIGN_SHIP.items()},
     "docs/results/auto-vs-fixed/README.md": {"ship-compare": lambda: paired_table(AUTO_VS_FIXED, SHIP_PAIRS),
                                              "amx-compare": lambda: paired_table(AUTO_VS_FIXED_AMX, SHIP_PAIRS),
-                                             "avx2-compare": lambda: paired_table(AUTO_VS_FIXED_AVX2, SHIP_PAIRS)},
+                                             "avx2-compare": lambda: paired_table(AUTO_VS_FIXED_AVX2, SHIP_PAIRS),
+                                             "fresh-chooser": lambda: variants_by_prompt(*FRESH_CHOOSER)},
     "docs/results/specblock-depth/README.md": {"specblock-depth": lambda: tau_by_arm(*SPECBLOCK_DEPTH)},
     "docs/results/specblock-ship/README.md": {
         name: (lambda runs=runs, pairs=pairs: paired_table(runs, pairs)) for name, (runs, pairs) in SPECBLOCK_SHIP.items()

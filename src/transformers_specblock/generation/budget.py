@@ -316,9 +316,10 @@ class AutoBudget:
         return [tree.prune(best) for tree in trees]
 
     def free_alone_tree(self, tree: HostTree) -> HostTree:
-        """The free candidates' tree `tree` as a chosen budget-0 step would verify it for this row (`worth_verifying`
-        with no drafting time; whole while warming up)."""
-        if tree.num_drafted == 0 or self.trees < self.warmup:
+        """The free candidates' tree `tree` as a chosen budget-0 step after the warm-up would verify it for this row
+        (`worth_verifying` with no drafting time): what budget 0's estimates are for, also while warming up (a whole
+        tree would be measured as dearer than budget 0's steps will be, and keep the chooser from them)."""
+        if tree.num_drafted == 0:
             return tree
         return tree.prune(self._best_size([tree], drafted=False))
 

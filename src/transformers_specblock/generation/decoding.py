@@ -355,12 +355,15 @@ def _draft(
 ) -> tuple[DraftTree, float | None, tuple[int, float]]:
     """Read the queued context and draft a tree of at most `budget` nodes after the committed tokens `sequence` [T]
     (budget 0: no drafter call, the root alone or, where the drafter has them, the free candidates' tree up to the
-    largest budget; `PLAIN`: the root alone). Also returns the step's drafting seconds where they are
-    representative of a steady step (the drafter read just the previous step, not a prompt or several skipped
-    steps; at budget 0 the free candidates' seconds), else None; and a catch-up's positions and reading seconds
-    (a read of at least `CATCH_UP_POSITIONS` positions; else (0, 0.0))."""
+    largest budget; `PLAIN`: the root alone, the free candidates' tree scored aside now and then). Also returns the
+    step's drafting seconds where they are representative of a steady step (the drafter read just the previous
+    step, not a prompt or several skipped steps; at budget 0 the free candidates' seconds), else None; and a
+    catch-up's positions and reading seconds (a read of at least `CATCH_UP_POSITIONS` positions; else (0, 0.0))."""
     before = generator.stats.drafter_time_s
-    if budget == PLAIN or (budget == 0 and generator.free_candidates is None):
+    if budget == PLAIN:
+        generator.plain_step(sequence)
+        return DraftTree.root_only(sequence[-1], device), None, (0, 0.0)
+    if budget == 0 and generator.free_candidates is None:
         return DraftTree.root_only(sequence[-1], device), None, (0, 0.0)
     if budget == 0:
         generator.tree_budget = largest

@@ -19,6 +19,8 @@ from ...utils import sync
 from ..lookup import FreeShadow, free_candidates_for
 from ..tree import SOURCE_BITS, UNKNOWN_ROOT, DraftTree, HostTree
 
+PLAIN_SHADOW_INTERVAL = 4  # under "auto", every 4th plain step scores the free candidates' tree alone (`plain_step`)
+
 
 _COMPILED: dict[tuple[type, str], Callable[..., Any]] = {}  # (drafter class, method) -> compiled function
 
@@ -83,6 +85,7 @@ class TreeCandidateGenerator(CandidateGenerator):
         self.size_free_alone: Callable[[HostTree], HostTree] | None = None
         self.shadows: list[FreeShadow] = []
         self.free_alone: list[FreeShadow] = []
+        self.plain_steps = 0
         if budget == AUTO:  # the loop sets the budget every iteration; start from the largest candidate (candidates
             budget = max(1, *drafter.generation_config.auto_budget_candidates)  # [0]: never drafts, settings still check)
         self.tree_budget = budget
@@ -158,6 +161,23 @@ class TreeCandidateGenerator(CandidateGenerator):
                 return self._free_tree(sequence)
             return DraftTree.root_only(sequence[-1:], self.drafter.device)
         return self._finish_host_tree(self.grow_tree(sequence[-1:]), sequence)
+
+    def plain_step(self, sequence: torch.LongTensor) -> None:
+        """A plain step under "auto" (the root alone is verified) after the committed tokens `sequence` [T]: every
+        `PLAIN_SHADOW_INTERVAL`-th one still builds the free candidates' tree alone on the host, sized as budget 0
+        would verify it, and scores it against the text the target commits (`FreeShadow`), so the estimate that
+        decides whether they pay stays fresh while plain steps are chosen (their lookups, not the drafter, cost time:
+        counted as drafting)."""
+        self.plain_steps += 1
+        if self.free_candidates is None or self.size_free_alone is None or self.plain_steps % PLAIN_SHADOW_INTERVAL:
+            return
+        start = time.perf_counter()
+        text = self.free_candidates.follow(sequence)
+        tree = HostTree.root_only(text[-1])
+        self.free_candidates.add_to(tree, text)
+        largest = max(self.drafter.generation_config.auto_budget_candidates)
+        self.shadows.append(FreeShadow(self.size_free_alone(tree.prune(largest))))
+        self._account(start, forwards=0)
 
     def _finish_host_tree(self, tree: HostTree, sequence: torch.LongTensor) -> DraftTree:
         """A drafter's host-grown tree with the free candidates merged in, pruned, on the device (one copy)."""
