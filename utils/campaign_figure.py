@@ -107,7 +107,8 @@ def campaign_aims(folder: Path) -> str:
         )
     return "\n".join(lines) + (
         f"\n\nCPU-hours at the campaign's mean rate so far, {tokens_per_cpu_hour / 1e6:.2f}M SpecBlock tokens per "
-        "CPU-hour (bfloat16, one thread, a core shared with the other run)."
+        "CPU-hour (bfloat16 where the CPU has it natively, float32 elsewhere; one thread, a core often shared with "
+        "other work)."
     )
 
 
