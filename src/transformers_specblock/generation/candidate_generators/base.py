@@ -172,11 +172,8 @@ class TreeCandidateGenerator(CandidateGenerator):
         if self.free_candidates is None or self.size_free_alone is None or self.plain_steps % PLAIN_SHADOW_INTERVAL:
             return
         start = time.perf_counter()
-        text = self.free_candidates.follow(sequence)
-        tree = HostTree.root_only(text[-1])
-        self.free_candidates.add_to(tree, text)
         largest = max(self.drafter.generation_config.auto_budget_candidates)
-        self.shadows.append(FreeShadow(self.size_free_alone(tree.prune(largest))))
+        self.shadows.append(FreeShadow(self.size_free_alone(self._free_host_tree(sequence).prune(largest))))
         self._account(start, forwards=0)
 
     def _finish_host_tree(self, tree: HostTree, sequence: torch.LongTensor) -> DraftTree:
@@ -201,12 +198,16 @@ class TreeCandidateGenerator(CandidateGenerator):
     def _free_tree(self, sequence: torch.LongTensor) -> DraftTree:
         """The free candidates' tree alone: built and pruned on the host, copied to the device once (no read)."""
         start = time.perf_counter()
+        pruned = self._free_host_tree(sequence).prune(self._free_budget()).to_device(self.drafter.device)
+        self._account(start, forwards=0)
+        return pruned
+
+    def _free_host_tree(self, sequence: torch.LongTensor) -> HostTree:
+        """The free candidates' chains for the committed tokens `sequence` [T], merged into a host tree (unpruned)."""
         text = self.free_candidates.follow(sequence)
         tree = HostTree.root_only(text[-1])
         self.free_candidates.add_to(tree, text)
-        pruned = tree.prune(self._free_budget()).to_device(self.drafter.device)
-        self._account(start, forwards=0)
-        return pruned
+        return tree
 
     def _free_budget(self) -> int:
         """The budget; under tree_budget="auto" a stretch being copied is verified whole, past it (see
