@@ -8,7 +8,8 @@ its config and save it (weights + generated model card) to a Hub-style folder.
 `--tree_budget 8 16 32` measures several fixed budgets (one row per prompt set and budget, interleaved per prompt
 against one plain reference); `--drafter_only` turns the free candidates off (prompt lookup, n-gram and suffix
 cache), so the rows measure the drafter alone; `--tree_construction reference` grows SpecBlock's trees as the
-reference implementation does. Each prompt set resumes from `REPORT_DIR/SET/per_prompt.jsonl`.
+reference implementation does, `--block_expansion best_first` lays out its last round's blocks best first. Each prompt
+set resumes from `REPORT_DIR/SET/per_prompt.jsonl`.
 
 Any target (packaged name, local folder or Hub id) with --device / --dtype as in specblock-bench; the drafter (shipped
 name, local folder or Hub id) runs in the target's dtype on its device.
@@ -60,6 +61,10 @@ def main(argv: list[str] | None = None) -> None:
         "--tree_construction", choices=("package", "reference"), default=None,
         help="SpecBlock's tree construction (default: the drafter's own setting)",
     )  # fmt: skip
+    parser.add_argument(
+        "--block_expansion", choices=("chain", "best_first"), default=None,
+        help="how SpecBlock lays out its last round's blocks (default: the drafter's own setting)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
 
     target, tokenizer = load_model(args.target_model, device=args.device, dtype=args.dtype)
@@ -68,8 +73,8 @@ def main(argv: list[str] | None = None) -> None:
     drafter.bind_target(target)  # on the target's device, in its dtype
     hardware = describe_hardware(target.device, target.dtype, drafter.dtype)  # detected now, not typed in
     free = FREE_CANDIDATES_OFF if args.drafter_only else {}
-    if args.tree_construction:
-        free = {**free, "tree_construction": args.tree_construction}
+    shape = {name: getattr(args, name) for name in ("tree_construction", "block_expansion") if getattr(args, name)}
+    free = {**free, **shape}
     budgets = args.tree_budget or [drafter.generation_config.tree_budget]
     methods = [Method(f"drafter@{budget}", {"assistant_model": drafter}, {"tree_budget": budget, **free})
                for budget in budgets]  # fmt: skip
@@ -92,7 +97,7 @@ def main(argv: list[str] | None = None) -> None:
                     "max_new_tokens": args.max_new_tokens,
                     "tree_budget": budget,
                     **({"free_candidates": "off"} if args.drafter_only else {}),
-                    **({"tree_construction": args.tree_construction} if args.tree_construction else {}),
+                    **shape,
                     "tau": round(summary["tau"], 3),
                     "speedup_vs_plain": round(summary["speedup"], 3),
                     "tokens_per_s": round(summary["tokens_per_s"], 2),

@@ -275,6 +275,7 @@ INVALID_DECODING = [
     ("max_blocks", dict(max_blocks=0)),
     ("max_followups", dict(max_followups=0)),
     ("tree_policy", dict(tree_policy="widest")),
+    ("block_expansion", dict(block_expansion="product")),
     ("fixed_width", dict(fixed_width=0)),
     ("tree_top_k", dict(tree_top_k=0)),
     ("tree_depth", dict(tree_depth=-1)),

@@ -53,6 +53,33 @@ def test_greedy_equals_target(family, shape):
         assert max(accepted_chunks) >= 2
 
 
+BEST_FIRST_SHAPES = [  # (tree_construction, max_blocks, tree_budget, tree_policy)
+    ("package", 1, 16, "rank"),
+    ("package", 2, 24, "rank"),
+    ("package", 3, 8, "fixed"),
+    ("reference", 1, 16, "rank"),
+    ("reference", 2, 32, "rank"),
+]
+
+
+@pytest.mark.parametrize("shape", BEST_FIRST_SHAPES, ids=lambda s: "{}-blocks{}-budget{}-{}".format(*s))
+def test_best_first_blocks_equal_target(shape, one_thread):
+    """`block_expansion="best_first"` (the last round's blocks grown best first) in both tree constructions."""
+    construction, max_blocks, budget, policy = shape
+    accepted_chunks = []
+    for seed in range(3):
+        target = make_target("llama", vocab_size=SMALL_VOCAB, seed=seed)
+        drafter = make_drafter(
+            target, seed=seed, block_size=4, max_blocks=max_blocks, tree_budget=budget, tree_policy=policy,
+            fixed_width=4, branch_widths=[2, 4, 6, 3], tree_construction=construction, block_expansion="best_first",
+        )  # fmt: skip
+        prompt = torch.randint(1, SMALL_VOCAB, (1, 5 + seed), generator=torch.Generator().manual_seed(seed))
+        reference, tree = _generate_pair(target, drafter, prompt, max_new_tokens=30)
+        assert tree.tolist() == reference.tolist(), f"seed {seed}"
+        accepted_chunks += drafter.last_stats.accepted_per_iteration
+    assert max(accepted_chunks) >= 2
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_greedy_with_logits_processors(family):
     """Repetition penalty, n-gram ban and a minimum length act on each tree node's own path prefix."""

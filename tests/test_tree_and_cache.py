@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import numpy
 import pytest
 import torch
@@ -323,3 +325,61 @@ def test_generate_with_a_peaked_drafter_equals_plain_greedy(seed, max_blocks, on
                 out = target.generate(prompt, assistant_model=drafter, max_new_tokens=20, do_sample=False)
             assert out.tolist() == reference.tolist(), (scale, budget)
             assert max(drafter.last_stats.nodes_per_iteration) <= budget
+
+
+@pytest.mark.parametrize("budget", [1, 5, 12, 40])
+def test_grow_best_first_is_the_top_subtree_under_its_start_node(budget):
+    """Under a start node inside a tree, positions offering different numbers of candidates: the new nodes are the
+    `budget` best paths of the full candidate tree (brute force), parents first, siblings distinct."""
+    generator = torch.Generator().manual_seed(0)
+    widths = [3, 1, 4, 2]
+    log_probs = [sorted((-3 * torch.rand(w, generator=generator)).tolist(), reverse=True) for w in widths]
+    token_ids = [torch.randperm(30, generator=generator)[:w].tolist() for w in widths]
+    tree = HostTree.root_only(7)
+    start = tree.add_node(5, tree.add_node(4, 0, -0.5), -1.25)
+    new = tree.grow_best_first(start, log_probs, token_ids, budget)
+    paths = [p for d in range(1, len(widths) + 1) for p in itertools.product(*(range(w) for w in widths[:d]))]
+    expected = sorted((-1.25 + sum(log_probs[i][r] for i, r in enumerate(p)) for p in paths), reverse=True)
+    assert [node for node, _ in new] == list(range(3, 3 + min(budget, len(paths))))
+    numpy.testing.assert_allclose(sorted((tree.scores[n] for n, _ in new), reverse=True), expected[:budget], rtol=1e-6)
+    for node, position in new:
+        assert tree.parents[node] < node and tree.depths[node] == tree.depths[start] + position + 1
+        assert tree.tokens[node] in token_ids[position]
+    children = [(tree.parents[n], tree.tokens[n]) for n, _ in new]
+    assert len(set(children)) == len(children)
+
+
+@pytest.mark.parametrize("budget", [1, 3, 6, 10, 16, 32, 100])
+def test_best_first_blocks_hold_the_best_nodes_the_chain_layout_could(budget):
+    """`block_expansion="best_first"` lays out the same block as a tree at least as good, node for node: its k-th
+    best score is never below the k-th best of the chain layout pruned to the same budget, and with room for
+    everything it holds every chain node's path."""
+    from transformers_specblock.generation.candidate_generators.specblock import _Round
+
+    target = make_target("llama", vocab_size=24, seed=1)
+    generator = get_candidate_generator(make_drafter(target, block_size=4, tree_budget=budget))
+    width = generator.max_width
+    slot_log_probs = torch.randn(4, width, generator=torch.Generator().manual_seed(budget)).log_softmax(-1)
+    top = slot_log_probs.sort(dim=-1, descending=True)
+    rnd = _Round(
+        log_probs=top.values.tolist(), tokens=top.indices.tolist(), widths=[[3, 2, 4, 2]], classes=[[1] * 4],
+        hidden=torch.zeros(1, 4, 4), entry_offsets=[0], inherited=numpy.zeros((1, 0), dtype=bool), start_nodes=[0],
+    )  # fmt: skip
+    rnd.log_probs, rnd.tokens = [rnd.log_probs], [rnd.tokens]
+    chain, best_first = HostTree.root_only(0), HostTree.root_only(0)
+    generator._expand(chain, rnd)
+    generator._expand_best_first(best_first, rnd)
+    chain = chain.prune(budget)
+    every_path = 3 + 3 * 2 + 3 * 2 * 4 + 3 * 2 * 4 * 2
+    assert best_first.num_drafted == min(budget, every_path)
+    ours, theirs = sorted(best_first.scores[1:], reverse=True), sorted(chain.scores[1:], reverse=True)
+    assert all(a >= b - 1e-6 for a, b in zip(ours, theirs))
+    if budget >= every_path:
+
+        def paths(tree):
+            return {tuple(tree.tokens[a] for a in ancestors(tree, n)) for n in range(1, len(tree))}
+
+        def ancestors(tree, node):
+            return ancestors(tree, tree.parents[node]) + [node] if node else []
+
+        assert paths(chain) <= paths(best_first)

@@ -61,6 +61,14 @@ CAMPAIGN_TAU = [  # (row label, folder under docs/results): the drafters shipped
      "campaign/tau-specblock-campaign-step4110-shipped-settings"),
     ("SpecBlock campaign step 4110, reference construction, 2 block rounds",
      "campaign/tau-specblock-campaign-step4110-reference-2-rounds"),
+    ("SpecBlock campaign step 4480 (3.89M tokens, 12.1 campaign CPU-h), reference construction, 1 block round",
+     "campaign/tau-specblock-campaign-step4480-shipped-settings"),
+    ("SpecBlock campaign step 4480, reference construction, 1 block round grown best first",
+     "campaign/tau-specblock-campaign-step4480-best-first"),
+    ("SpecBlock campaign step 4480, reference construction, 2 block rounds",
+     "campaign/tau-specblock-campaign-step4480-reference-2-rounds"),
+    ("SpecBlock campaign step 4480, reference construction, 2 block rounds, the last grown best first",
+     "campaign/tau-specblock-campaign-step4480-best-first-2-rounds"),
 ]  # fmt: skip
 CAMPAIGN_STEP_TAU = {  # README under docs/results -> its generated tau tables: (row label, folder under docs/results)
     "docs/results/campaign/README.md": {
@@ -82,6 +90,27 @@ CAMPAIGN_STEP_TAU = {  # README under docs/results -> its generated tau tables: 
              "campaign/tau-specblock-campaign-step4110-shipped-settings"),
             ("SpecBlock step 4110, reference trees, 2 block rounds",
              "campaign/tau-specblock-campaign-step4110-reference-2-rounds"),
+        ],
+        "tau-step4480": [
+            ("SpecBlock step 4480 (12.1 campaign CPU-h), reference trees, 1 block round",
+             "campaign/tau-specblock-campaign-step4480-shipped-settings"),
+            ("SpecBlock step 4480, 1 block round, grown best first",
+             "campaign/tau-specblock-campaign-step4480-best-first"),
+            ("SpecBlock step 4480, reference trees, 2 block rounds",
+             "campaign/tau-specblock-campaign-step4480-reference-2-rounds"),
+            ("SpecBlock step 4480, 2 block rounds, the last grown best first",
+             "campaign/tau-specblock-campaign-step4480-best-first-2-rounds"),
+            ("SpecBlock step 4480, 1 block round grown best first from the top 8 of every slot (package construction, "
+             "`tree_policy=\"fixed\"`, `fixed_width=8`)", "campaign/tau-specblock-campaign-step4480-best-first-fixed-width-8"),
+        ],
+        "tau-equal-cpu": [
+            ("SpecBlock step 2810 (7.2 campaign CPU-h), reference trees, 1 block round",
+             "campaign/tau-specblock-campaign-step2810-shipped-settings"),
+            ("SpecBlock step 2810, 1 block round, grown best first",
+             "campaign/tau-specblock-campaign-step2810-best-first"),
+            ("SpecBlock step 2810, reference trees, 2 block rounds",
+             "campaign/tau-specblock-campaign-step2810-reference-2-rounds"),
+            ("EAGLE-3 step 5080 (7.7 campaign CPU-h)", "campaign/tau-eagle3-campaign-step5080"),
         ],
     },
     "docs/results/campaign/ship-eagle3-step4250/README.md": {

@@ -14,6 +14,7 @@ and `merge_chain` reads the tree back once (`host()`), not once per chain token.
 
 from __future__ import annotations
 
+import heapq
 import math
 from dataclasses import dataclass, field
 
@@ -265,6 +266,32 @@ class HostTree:
         self.scores.append(float(numpy.float32(score)))
         self.sources.append(SOURCE_BITS[source])
         return len(self) - 1
+
+    def grow_best_first(
+        self, start: int, log_probs: list[list[float]], token_ids: list[list[int]], budget: int
+    ) -> list[tuple[int, int]]:  # fmt: skip
+        """Add under `start` the `budget` best nodes of the tree whose children at depth d below `start` are the
+        candidates of position d (`log_probs[d - 1]` / `token_ids[d - 1]`, best first; positions may offer different
+        numbers). A node's score is its parent's plus its candidate's log-probability; nodes are taken best first from a
+        heap that holds, for every taken node, its best child and its next sibling. So they are the top-`budget`
+        subtree by path score (DDTree, Ringel & Romano 2026), every node after its parent, siblings distinct where a
+        position's candidates are (ties go to the node pushed first). Returns (node, position) of each new node."""
+        exact = {start: float(self.scores[start])}  # scores summed in float64, as the heap ranks them
+        heap = [(-(exact[start] + log_probs[0][0]), 0, start, 0, 0)] if log_probs else []
+        pushed, new = 1, []  # heap entries: (-score, push order, parent node, position, rank at that position)
+        while heap and len(new) < budget:
+            neg_score, _, parent, position, rank = heapq.heappop(heap)
+            node = self.add_node(token_ids[position][rank], parent, -neg_score)
+            exact[node] = -neg_score
+            new.append((node, position))
+            if rank + 1 < len(log_probs[position]):  # next sibling: the parent's score plus the next candidate
+                sibling_score = exact[parent] + log_probs[position][rank + 1]
+                heapq.heappush(heap, (-sibling_score, pushed, parent, position, rank + 1))
+                pushed += 1
+            if position + 1 < len(log_probs):  # best child: this node's score plus the next position's best
+                heapq.heappush(heap, (-(exact[node] + log_probs[position + 1][0]), pushed, node, position + 1, 0))
+                pushed += 1
+        return new
 
     def merge_chain(
         self, tokens: list[int], scores: list[float], source: str, parent: int = 0

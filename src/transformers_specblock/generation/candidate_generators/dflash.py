@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import heapq
 import time
 
 import torch
@@ -18,30 +17,13 @@ from .base import TreeCandidateGenerator, compiled_method
 
 
 def best_first_tree(log_probs: torch.Tensor, token_ids: torch.LongTensor, budget: int) -> HostTree:
-    """The `budget` best nodes of the tree whose depth-d children are the candidates of block position d.
-
-    log_probs / token_ids: [D, K] per-position candidates sorted by descending log-probability. A node's score is
-    the sum of its path's log-probabilities; nodes are taken best first from a heap that holds, for every taken
-    node, its best child and its next sibling. So the result is the top-`budget` subtree by path score, every node
-    after its parent, siblings distinct (ties go to the node pushed first). The candidates are read back to the
-    host once (one sync); the tree is grown there (its root token, the last committed one, stays on the device).
-    """
-    depth, top_k = log_probs.shape
+    """The `budget` best nodes of the tree whose depth-d children are the candidates of block position d
+    (`HostTree.grow_best_first`). log_probs / token_ids: [D, K] per-position candidates sorted by descending
+    log-probability, read back to the host once (one sync); the tree is grown there (its root token, the last
+    committed one, stays on the device)."""
     lp, ids = torch.stack([log_probs.double(), token_ids.double()]).tolist()  # token ids are exact in float64
-    ids = [[int(i) for i in row] for row in ids]
-    tree, exact = HostTree.root_only(), [0.0]  # the scores summed in float64, as the heap ranks them
-    heap = [(-lp[0][0], 0, 0, 1, 0)]  # (-score, push order, parent node, depth, rank at that depth)
-    pushed = 1
-    while heap and len(tree) <= budget:
-        neg_score, _, parent, level, rank = heapq.heappop(heap)
-        node = tree.add_node(ids[level - 1][rank], parent, -neg_score)
-        exact.append(-neg_score)
-        if rank + 1 < top_k:  # next sibling: the parent's score plus the next candidate of this position
-            heapq.heappush(heap, (-(exact[parent] + lp[level - 1][rank + 1]), pushed, parent, level, rank + 1))
-            pushed += 1
-        if level < depth:  # best child: this node's score plus the best candidate of the next position
-            heapq.heappush(heap, (-(exact[node] + lp[level][0]), pushed, node, level + 1, 0))
-            pushed += 1
+    tree = HostTree.root_only()
+    tree.grow_best_first(0, lp, [[int(i) for i in row] for row in ids], budget)
     return tree
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import dataclass
 
@@ -42,9 +43,11 @@ class SpecBlockCandidateGenerator(TreeCandidateGenerator):
     root's slots, then up to `max_blocks - 1` rounds of follow-up blocks, each round in ONE batched forward whose
     entries are cropped away afterwards. A round whose nodes could not survive pruning (each scores at most its start
     leaf's score, and `tree_budget` nodes already score higher) is skipped. `draft_tree` prunes the tree to
-    `tree_budget` nodes by cumulative draft log-prob. With `tree_construction="reference"` the tree is grown as the
-    SpecBlock reference harness grows it instead (`specblock_reference_tree.grow_reference_tree`); with
-    `context_feeding="reference"` the committed positions are fed as that harness feeds them (`_as_harness_feeds`).
+    `tree_budget` nodes by cumulative draft log-prob. With `block_expansion="best_first"` the last round's blocks
+    are grown best first (`_expand_best_first`) instead of as chains with siblings. With
+    `tree_construction="reference"` the tree is grown as the SpecBlock reference harness grows it instead
+    (`specblock_reference_tree.grow_reference_tree`); with `context_feeding="reference"` the committed positions are
+    fed as that harness feeds them (`_as_harness_feeds`).
     """
 
     def __init__(
@@ -61,6 +64,7 @@ class SpecBlockCandidateGenerator(TreeCandidateGenerator):
         self.max_blocks = max_blocks if max_blocks is not None else settings.max_blocks
         self.tree_policy = tree_policy if tree_policy is not None else settings.tree_policy
         self.max_followups = settings.max_followups
+        self.block_expansion = settings.block_expansion
         self.tree_construction = settings.tree_construction
         self.branch_widths = list(settings.branch_widths)
         self.fixed_width = settings.fixed_width
@@ -152,10 +156,12 @@ class SpecBlockCandidateGenerator(TreeCandidateGenerator):
         local_entries = k_slots  # block 1 = the root position's K cached slots
         blocks = 1
         for round_idx in range(self.max_blocks):
-            nodes = self._expand(tree, rnd)
+            last_round = round_idx == self.max_blocks - 1
+            nodes = self._expand_best_first(tree, rnd) if last_round and self.block_expansion == "best_first" \
+                else self._expand(tree, rnd)  # fmt: skip
             if self.keep_producers:  # online adaptation: block 1's slots are the root position's own outputs
                 self._note_round(nodes, rnd, first_round=round_idx == 0)
-            if round_idx == self.max_blocks - 1 or not nodes:  # the last round, or every branch ended (width 0)
+            if last_round or not nodes:  # the last round, or every branch ended (width 0)
                 break
             # follow-up blocks start from the best-scoring leaves of this round (chain ends and siblings), best first
             # (ties to the older node); a block's nodes score below its start leaf: draft only the blocks, and the
@@ -259,6 +265,25 @@ class SpecBlockCandidateGenerator(TreeCandidateGenerator):
                     new.append((node, block, slot, rank > 0 or slot == k_slots - 1))
                 chain_end[block] = new[-min(width, self.max_width)][0]  # the greedy node
         return new
+
+    def _expand_best_first(self, tree: HostTree, rnd: _Round) -> list[tuple[int, int, int, bool]]:
+        """Add every block's nodes best first (`block_expansion="best_first"`): slot k's top `width` candidates under
+        every node of slot k - 1, up to the block's first width-0 slot. Returns them as `_expand` does (all leaves)."""
+        new = []
+        for block in range(len(rnd.start_nodes)):
+            widths = list(itertools.takewhile(lambda width: width > 0, rnd.widths[block]))
+            new += [(node, block, slot, True) for node, slot in self.grow_block_best_first(tree, rnd, block, widths)]
+        return new
+
+    def grow_block_best_first(
+        self, tree: HostTree, rnd: _Round, block: int, widths: list[int]
+    ) -> list[tuple[int, int]]:  # fmt: skip
+        """Grow a block's slots under its start node as a best-first tree (`HostTree.grow_best_first`), slot k
+        offering its top `widths[k]` candidates to every node of slot k - 1: the `tree_budget` best nodes by summed
+        draft log-probability (each capped at 0). Returns (node, slot) of each new node."""
+        log_probs = [[min(lp, 0.0) for lp in rnd.log_probs[block][slot][:width]] for slot, width in enumerate(widths)]
+        tokens = [rnd.tokens[block][slot][:width] for slot, width in enumerate(widths)]
+        return tree.grow_best_first(rnd.start_nodes[block], log_probs, tokens, self.tree_budget)
 
     def _note_round(self, nodes: list[tuple[int, int, int, bool]], rnd: _Round, first_round: bool) -> None:
         """Online adaptation: each new node's producing slot state (block 1's slots are the root position's own)."""

@@ -14,6 +14,9 @@ The authors' inference harness (github shiweijiezero/SpecBlock, `benchmarks_hf/a
   min(10, (budget - nodes) // K) of them by score;
 - then prunes to `tree_budget` nodes by cumulative draft log-probability, duplicates counted.
 
+With `block_expansion="best_first"` the last round's blocks (block 1 where `max_blocks` is 1) are grown best first
+instead, each slot offering the candidates these widths give it (at least its greedy one).
+
 The last round drafts only the follow-up blocks, and slots, that could place a node in the pruned tree
 (`HostTree.room_below`; the harness drafts them all and prunes them away): the same tree from fewer drafted blocks,
 at 4 nodes 3 of the about 21 the harness drafts.
@@ -68,11 +71,16 @@ def grow_reference_tree(generator: SpecBlockCandidateGenerator) -> HostTree:
     branch_widths = generator.branch_widths
     tree = HostTree.root_only()
     rnd = generator._read_round(*generator.root_block, [0], numpy.zeros((1, 0), dtype=bool))
-    chain = _greedy_chain(tree, rnd, 0, 0)
-    pending = _order_pending(_add_alternatives(tree, rnd, 0, chain, branch_widths, first_block=True)[0])
-    first_off_class = next((c for c in rnd.classes[0] if c != 0), 0)
-    if first_off_class != len(branch_widths) - 1 and (chain[-1], 0, k_slots - 1) not in pending:
-        pending.append((chain[-1], 0, k_slots - 1))  # the chain end, unless the rank walk gives up
+    best_first = generator.block_expansion == "best_first"
+    if best_first and generator.max_blocks == 1:
+        _grow_best_first(generator, tree, rnd, 0, first_block=True)
+        pending = []
+    else:
+        chain = _greedy_chain(tree, rnd, 0, 0)
+        pending = _order_pending(_add_alternatives(tree, rnd, 0, chain, branch_widths, first_block=True)[0])
+        first_off_class = next((c for c in rnd.classes[0] if c != 0), 0)
+        if first_off_class != len(branch_widths) - 1 and (chain[-1], 0, k_slots - 1) not in pending:
+            pending.append((chain[-1], 0, k_slots - 1))  # the chain end, unless the rank walk gives up
     local_entries, blocks = k_slots, 1
     for depth in range(1, generator.max_blocks):
         num_slots = k_slots
@@ -84,6 +92,10 @@ def grow_reference_tree(generator: SpecBlockCandidateGenerator) -> HostTree:
             break
         rnd = generator._draft_followups(tree, rnd, pending, local_entries, num_slots)
         local_entries, blocks = local_entries + num_slots * len(pending), blocks + len(pending)
+        if best_first and depth == generator.max_blocks - 1:
+            for block in range(len(pending)):
+                _grow_best_first(generator, tree, rnd, block, first_block=False)
+            break
         chains = [_greedy_chain(tree, rnd, block, node) for block, (node, _, _) in enumerate(pending)]
         pending, ends = [], []
         for block, chain in enumerate(chains):
@@ -100,6 +112,15 @@ def grow_reference_tree(generator: SpecBlockCandidateGenerator) -> HostTree:
     merged = merge_equal_siblings(tree.prune(budget))
     generator._account(start, forwards=0)
     return merged
+
+
+def _grow_best_first(generator: SpecBlockCandidateGenerator, tree: HostTree, rnd: _Round, block: int,
+                     first_block: bool) -> None:  # fmt: skip
+    """`block_expansion="best_first"`: the block's slots as a best-first tree, each slot offering the candidates the
+    harness's widths give it, at least its greedy one (the chain goes on past a give-up slot, as the harness's does)."""
+    probs = [math.exp(slot[0]) for slot in rnd.log_probs[block]]
+    widths, _ = slot_widths(probs, rnd.classes[block], generator.branch_widths, first_block)
+    generator.grow_block_best_first(tree, rnd, block, [max(1, width) for width in widths])
 
 
 def _greedy_chain(tree: HostTree, rnd: _Round, block: int, parent: int) -> list[int]:

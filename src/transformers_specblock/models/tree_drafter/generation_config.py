@@ -27,6 +27,8 @@ ADAPTATION_POLICIES = ("off", "always", "head_only", "full", "bandit")
 TREE_CONSTRUCTIONS = ("package", "reference")
 # how a drafter reads the committed context: this package's way, or as the drafter's reference harness does (SpecBlock)
 CONTEXT_FEEDINGS = ("package", "reference")
+# how SpecBlock lays out the last round's blocks: candidates under the greedy chain only, or best first under every node
+BLOCK_EXPANSIONS = ("chain", "best_first")
 # how SpecBlock gives each slot its candidates: by the rank head's predicted class, or a fixed width (an ablation)
 TREE_POLICIES = ("rank", "fixed")
 # name -> default of every drafting setting (`TreeGenerationConfig`)
@@ -36,6 +38,7 @@ DRAFTING_DEFAULTS: dict[str, Any] = {
     "context_feeding": "package",
     "max_blocks": 2,
     "max_followups": 4,
+    "block_expansion": "chain",
     "branch_widths": [2, 4, 6, 4],
     "tree_policy": "rank",
     "fixed_width": 3,
@@ -121,6 +124,11 @@ class TreeGenerationConfig(GenerationConfig):
         Tree shape, SpecBlock:
         max_blocks: Block rounds per iteration (1 = block 1 only; each further round is one batched drafter forward).
         max_followups: Follow-up blocks drafted per round at most (all in one batched drafter forward).
+        block_expansion: How the last round's blocks (whose nodes start no follow-up block) become nodes: "chain"
+            (the method's: the greedy token of every slot in a chain, slot k's other candidates under slot k - 1's
+            greedy token) or "best_first" (slot k's candidates under every node of slot k - 1, the `tree_budget` best
+            by summed draft log-probability, as DDTree grows a block drafter's tree). Both draft the same blocks; with
+            "best_first" a tree above a few nodes also continues the branches that leave the greedy chain.
         branch_widths: Candidates drafted at a slot (greedy token included) per predicted rank class, one width per
             class of the drafter's rank head; 0 ends the branch at that slot. The default (2, 4, 6, 4) is the
             method's tuned widths: (2, 4, 6, 0), where class 3 (rank > 10) gives up, drafts almost nothing with a
@@ -240,6 +248,8 @@ class TreeGenerationConfig(GenerationConfig):
         least = {"max_blocks": 1, "max_followups": 1, "fixed_width": 1, "tree_top_k": 1, "tree_depth": 0}
         for name, smallest in least.items():
             check_count(name, getattr(self, name), smallest)
+        if self.block_expansion not in BLOCK_EXPANSIONS:
+            raise ValueError(f"block_expansion must be one of {BLOCK_EXPANSIONS}, got {self.block_expansion!r}.")
         if self.tree_policy not in TREE_POLICIES:
             raise ValueError(f"tree_policy must be one of {TREE_POLICIES}, got {self.tree_policy!r}.")
         widths = self.branch_widths
