@@ -75,10 +75,26 @@ resolve_drafter_path as path; shutil.copytree(path(sys.argv[1]), sys.argv[2], di
   echo "$OUT/start_drafter" > "$OUT/init_drafter"
 }
 
+# The schedule and data order of a run started from the committed weights at campaign step $1 (set in FROM_STEP):
+# a short warm-up to the learning rate the campaign's schedule (cosine after 100 warm-up steps) had reached there,
+# decaying to 0 at MAX_STEPS, instead of re-warming to the peak (which cost held-out accuracy); its own data order.
+# A resume of that run passes the same, or its schedule and data order would change under it.
+from_step_schedule() {
+  LR_NOW=$("$PYTHON" -c "import math, sys; lr, done, total = float(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]); \
+print(f'{lr * 0.5 * (1 + math.cos(math.pi * min(1, (done - 100) / (total - 100)))):.3e}')" \
+    "$LEARNING_RATE" "$1" "$MAX_STEPS")
+  FROM_STEP=(--warmup_steps "$WARMUP_AFTER_LOSS" --max_steps $(($MAX_STEPS - $1)) --learning_rate "$LR_NOW"
+    --data_seed "$1")
+}
+
 if PYTHONPATH=$REPO/src "$PYTHON" -c "import sys; from transformers_specblock.training.trainer import \
 last_complete_checkpoint as last; sys.exit(last(sys.argv[1]) is None)" "$OUT"; then
   INIT=$(cat "$OUT/init_drafter")  # the run is rebuilt as it started, then the checkpoint's weights load
   START=(--init_drafter "$INIT" --resume_from_checkpoint last --warmup_steps 100)
+  if [[ $OUT =~ -from-step-([0-9]+)$ ]]; then
+    from_step_schedule "${BASH_REMATCH[1]}"
+    START+=("${FROM_STEP[@]}")
+  fi
   HOW="resumed from its newest complete checkpoint"
 elif [ -f "$COMMITTED/config.json" ]; then
   DONE=$(PYTHONPATH=$REPO/src "$PYTHON" -c "import json, sys; print(json.load(open(sys.argv[1]))['campaign_steps'])" \
@@ -86,13 +102,8 @@ elif [ -f "$COMMITTED/config.json" ]; then
   OUT=$ROOT/$DRAFTER-from-step-$DONE
   [ -n "${DRY_RUN:-}" ] || mkdir -p "$OUT"
   freeze_start "$COMMITTED"
-  # the learning rate the campaign's schedule (cosine after 100 warm-up steps) had reached at step DONE: the new run
-  # warms up to it and decays to 0 at MAX_STEPS, instead of re-warming to the peak (which cost held-out accuracy)
-  LR_NOW=$("$PYTHON" -c "import math, sys; lr, done, total = float(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]); \
-print(f'{lr * 0.5 * (1 + math.cos(math.pi * min(1, (done - 100) / (total - 100)))):.3e}')" \
-    "$LEARNING_RATE" "$DONE" "$MAX_STEPS")
-  START=(--init_drafter "$OUT/start_drafter" --warmup_steps "$WARMUP_AFTER_LOSS" --max_steps $((MAX_STEPS - DONE))
-    --learning_rate "$LR_NOW" --data_seed "$DONE" --resume_from_checkpoint last)
+  from_step_schedule "$DONE"
+  START=(--init_drafter "$OUT/start_drafter" "${FROM_STEP[@]}" --resume_from_checkpoint last)
   HOW="no checkpoint: from the committed weights (campaign step $DONE) with $WARMUP_AFTER_LOSS warm-up steps to lr $LR_NOW"
 else
   freeze_start "$DRAFTER-smollm2-135m-instruct"

@@ -45,6 +45,27 @@ def test_restart_from_committed_weights_continues_the_schedule(tmp_path, drafter
     assert last_value(args, "--output_dir") == str(tmp_path / f"{drafter}-from-step-{done}")
 
 
+def test_resume_of_a_run_from_committed_weights_keeps_its_schedule_and_data_order(tmp_path):
+    """A run started from the committed weights at step N, resumed from its checkpoint, is rebuilt with the schedule and
+    data order it started with (not the first run's 7000 steps from the peak and seed 0's order)."""
+    from transformers_specblock.training.trainer import CHECKPOINT_COMPLETE
+
+    done, max_steps = 4110, 7000
+    run = tmp_path / f"specblock-from-step-{done}"
+    (run / "checkpoint-430").mkdir(parents=True)
+    (run / "checkpoint-430" / CHECKPOINT_COMPLETE).write_text("")
+    (run / "init_drafter").write_text(str(run / "start_drafter"))
+    args = dry_run("specblock", tmp_path, max_steps)
+    peak = float(last_value(args[: args.index("--lr_scheduler_type")], "--learning_rate"))
+    expected = peak * 0.5 * (1 + math.cos(math.pi * (done - 100) / (max_steps - 100)))
+    assert float(last_value(args, "--learning_rate")) == pytest.approx(expected, rel=1e-3)
+    assert int(last_value(args, "--max_steps")) == max_steps - done
+    assert last_value(args, "--data_seed") == str(done)
+    assert last_value(args, "--warmup_steps") == "20"
+    assert last_value(args, "--resume_from_checkpoint") == "last"
+    assert last_value(args, "--output_dir") == str(run)
+
+
 def test_committed_extrapolation_is_what_the_results_give():
     """docs/results/campaign/extrapolation.json (and the aims table rendered from it) follows the committed curves and
     tau measurements: rerun examples/campaign_extrapolation.py after adding either."""

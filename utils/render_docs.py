@@ -53,8 +53,8 @@ CAMPAIGN_TAU = [  # (row label, folder under docs/results): the drafters shipped
      "campaign/tau-specblock-campaign-step3310-shipped-settings"),
     ("SpecBlock campaign step 3310, reference construction, 2 block rounds",
      "campaign/tau-specblock-campaign-step3310-reference-2-rounds"),
-    ("SpecBlock campaign step 3780 (3.63M tokens, 9.7 campaign CPU-h), shipped now: reference construction, 1 block "
-     "round", "campaign/tau-specblock-campaign-step3780-shipped-settings"),
+    ("SpecBlock campaign step 3780 (3.63M tokens, 9.7 campaign CPU-h), shipped until step 4480 replaced it: reference "
+     "construction, 1 block round", "campaign/tau-specblock-campaign-step3780-shipped-settings"),
     ("SpecBlock campaign step 3780, reference construction, 2 block rounds",
      "campaign/tau-specblock-campaign-step3780-reference-2-rounds"),
     ("SpecBlock campaign step 4110 (3.92M tokens, 10.3 campaign CPU-h), reference construction, 1 block round",
@@ -63,7 +63,7 @@ CAMPAIGN_TAU = [  # (row label, folder under docs/results): the drafters shipped
      "campaign/tau-specblock-campaign-step4110-reference-2-rounds"),
     ("SpecBlock campaign step 4480 (3.89M tokens, 12.1 campaign CPU-h), reference construction, 1 block round",
      "campaign/tau-specblock-campaign-step4480-shipped-settings"),
-    ("SpecBlock campaign step 4480, reference construction, 1 block round grown best first",
+    ("SpecBlock campaign step 4480, reference construction, 1 block round grown best first: shipped now",
      "campaign/tau-specblock-campaign-step4480-best-first"),
     ("SpecBlock campaign step 4480, reference construction, 2 block rounds",
      "campaign/tau-specblock-campaign-step4480-reference-2-rounds"),
@@ -120,6 +120,15 @@ CAMPAIGN_STEP_TAU = {  # README under docs/results -> its generated tau tables: 
             ("EAGLE-3 campaign step 4250 (4.38M tokens in all, 6.7 campaign CPU-h)", "campaign/tau-eagle3-campaign-step4250"),
         ],
     },
+    "docs/results/campaign/ship-specblock-step4480-best-first/README.md": {
+        "tau-candidate": [
+            ("SpecBlock shipped: campaign step 3780 (3.63M tokens in all, 9.7 campaign CPU-h), chain layout",
+             "campaign/tau-specblock-campaign-step3780-shipped-settings"),
+            ("SpecBlock campaign step 4480 (3.89M tokens in all, 12.1 campaign CPU-h), chain layout",
+             "campaign/tau-specblock-campaign-step4480-shipped-settings"),
+            ("SpecBlock campaign step 4480, grown best first", "campaign/tau-specblock-campaign-step4480-best-first"),
+        ],
+    },
     "docs/results/campaign/ship-specblock-step3780/README.md": {
         "tau-candidate": [
             ("SpecBlock shipped: campaign step 1560 (1.70M tokens in all, 4.6 campaign CPU-h)",
@@ -138,6 +147,10 @@ SPECBLOCK_DEPTH = ("specblock-depth/tau-blocks.json", [
 CAMPAIGN_SHIP = {  # README under docs/results/campaign -> its compare_drafters runs (candidate against the shipped drafter)
     "ship-eagle3-step4250": [("HumanEval", "campaign/ship-eagle3-step4250/compare-humaneval"),
                              ("MT-Bench", "campaign/ship-eagle3-step4250/compare-mt_bench")],
+    "ship-specblock-step4480-best-first": [
+        ("HumanEval", "campaign/ship-specblock-step4480-best-first/compare-humaneval"),
+        ("MT-Bench", "campaign/ship-specblock-step4480-best-first/compare-mt_bench"),
+    ],
     "ship-specblock-step3780": [("HumanEval", "campaign/ship-specblock-step3780/compare-humaneval"),
                                 ("MT-Bench", "campaign/ship-specblock-step3780/compare-mt_bench")],
     "ship-specblock-step3310-2-rounds": [
