@@ -383,3 +383,31 @@ def test_best_first_blocks_hold_the_best_nodes_the_chain_layout_could(budget):
             return ancestors(tree, tree.parents[node]) + [node] if node else []
 
         assert paths(chain) <= paths(best_first)
+
+
+@pytest.mark.parametrize("construction", ["package", "reference"])
+def test_one_best_first_round_continues_branches_off_the_greedy_chain(construction):
+    """With one block round grown best first, a slot-0 candidate other than the greedy one gets children (the
+    block's later slots) where they score high enough, and the tree fills the budget; the chain layout never
+    continues such a branch."""
+    target = make_target("llama", vocab_size=24, seed=1)
+    drafter = make_drafter(target, block_size=4, max_blocks=1, tree_budget=12, tree_construction=construction)
+    k_slots, vocab = 4, drafter.config.draft_vocab_size
+    logits = torch.full((1, k_slots, vocab), -9.0)
+    logits[0, 0, :2] = torch.tensor([0.0, -0.1])  # slot 0: two near-equal candidates
+    logits[0, 1:, 0] = 4.0  # later slots: one confident candidate each
+    rank_logits = torch.zeros(1, k_slots, drafter.config.num_rank_classes)
+    rank_logits[..., 1] = 1.0  # rank class 1: a few candidates per slot
+    children_of_runner_up = {}
+    for expansion in ("chain", "best_first"):
+        with drafter.tree_settings(block_expansion=expansion):
+            generator = get_candidate_generator(drafter)
+            generator.root_block = (logits, torch.zeros(1, k_slots, drafter.config.hidden_size), rank_logits)
+            tree = generator.grow_tree(torch.tensor([0]))
+        tree = tree.prune(12)
+        second = int(drafter.d2t[1])  # slot 0's runner-up, in the target's vocabulary
+        runner_up = next(n for n in range(1, len(tree)) if tree.parents[n] == 0 and tree.tokens[n] == second)
+        children_of_runner_up[expansion] = sum(parent == runner_up for parent in tree.parents)
+        if expansion == "best_first":
+            assert tree.num_drafted == 12
+    assert children_of_runner_up == {"chain": 0, "best_first": 1}
