@@ -72,11 +72,10 @@ def main(argv: list[str] | None = None) -> None:
         drafter = AutoModel.from_pretrained(resolve_drafter_path(args.drafter), dtype=target.dtype).eval()
     drafter.bind_target(target)  # on the target's device, in its dtype
     hardware = describe_hardware(target.device, target.dtype, drafter.dtype)  # detected now, not typed in
-    free = FREE_CANDIDATES_OFF if args.drafter_only else {}
     shape = {name: getattr(args, name) for name in ("tree_construction", "block_expansion") if getattr(args, name)}
-    free = {**free, **shape}
+    settings = {**(FREE_CANDIDATES_OFF if args.drafter_only else {}), **shape}
     budgets = args.tree_budget or [drafter.generation_config.tree_budget]
-    methods = [Method(f"drafter@{budget}", {"assistant_model": drafter}, {"tree_budget": budget, **free})
+    methods = [Method(f"drafter@{budget}", {"assistant_model": drafter}, {"tree_budget": budget, **settings})
                for budget in budgets]  # fmt: skip
     rows = []
     for name in PROMPT_SETS:

@@ -92,6 +92,12 @@ def check_number(name: str, value: Any, valid: Callable[[float], bool], expected
         raise ValueError(f"{name} must be {kind} {expected}, got {value!r}.")
 
 
+def check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
+    """Raise a ValueError unless `value` is one of `choices`."""
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {choices}, got {value!r}.")
+
+
 def check_count(name: str, value: Any, least: int) -> None:
     """Raise a ValueError unless `value` is an int (not a bool) >= `least` (0 reads "off")."""
     if not is_count(value, least):
@@ -220,10 +226,8 @@ class TreeGenerationConfig(GenerationConfig):
     def validate_settings(self) -> None:
         """Raise a ValueError naming the first inconsistent drafting setting."""
         check_tree_budget(self.tree_budget)
-        if self.tree_construction not in TREE_CONSTRUCTIONS:
-            raise ValueError(f"tree_construction must be one of {TREE_CONSTRUCTIONS}, got {self.tree_construction!r}.")
-        if self.context_feeding not in CONTEXT_FEEDINGS:
-            raise ValueError(f"context_feeding must be one of {CONTEXT_FEEDINGS}, got {self.context_feeding!r}.")
+        check_choice("tree_construction", self.tree_construction, TREE_CONSTRUCTIONS)
+        check_choice("context_feeding", self.context_feeding, CONTEXT_FEEDINGS)
         if self.context_feeding == "reference" and self.tree_budget == AUTO:
             raise ValueError('context_feeding="reference" reads every step as the reference harness does: set a fixed '
                              "tree_budget (not \"auto\", which may skip steps).")
@@ -248,10 +252,8 @@ class TreeGenerationConfig(GenerationConfig):
         least = {"max_blocks": 1, "max_followups": 1, "fixed_width": 1, "tree_top_k": 1, "tree_depth": 0}
         for name, smallest in least.items():
             check_count(name, getattr(self, name), smallest)
-        if self.block_expansion not in BLOCK_EXPANSIONS:
-            raise ValueError(f"block_expansion must be one of {BLOCK_EXPANSIONS}, got {self.block_expansion!r}.")
-        if self.tree_policy not in TREE_POLICIES:
-            raise ValueError(f"tree_policy must be one of {TREE_POLICIES}, got {self.tree_policy!r}.")
+        check_choice("block_expansion", self.block_expansion, BLOCK_EXPANSIONS)
+        check_choice("tree_policy", self.tree_policy, TREE_POLICIES)
         widths = self.branch_widths
         if not isinstance(widths, (list, tuple)) or not widths or not all(is_count(w, 0) for w in widths):
             raise ValueError(f"branch_widths must be a non-empty list of ints >= 0, got {widths!r}.")
@@ -282,10 +284,7 @@ class TreeGenerationConfig(GenerationConfig):
         check_number("suffix_cache_min_token_prob", probability, lambda x: 0 <= x <= 1, "in [0, 1]", "a probability")
 
     def _validate_adaptation_settings(self) -> None:
-        if self.online_adaptation not in ADAPTATION_POLICIES:
-            raise ValueError(
-                f"online_adaptation must be one of {ADAPTATION_POLICIES}, got {self.online_adaptation!r}."
-            )
+        check_choice("online_adaptation", self.online_adaptation, ADAPTATION_POLICIES)
         for name in ("adaptation_learning_rate", "adaptation_head_learning_rate"):
             rate = getattr(self, name)
             if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not rate > 0:
