@@ -150,6 +150,8 @@ CAMPAIGN_SHIP = {  # README under docs/results/campaign -> its compare_drafters 
     "ship-specblock-step4480-best-first": [
         ("HumanEval", "campaign/ship-specblock-step4480-best-first/compare-humaneval"),
         ("MT-Bench", "campaign/ship-specblock-step4480-best-first/compare-mt_bench"),
+        ("HumanEval, bfloat16 (AMX)", "campaign/ship-specblock-step4480-best-first/compare-bfloat16-amx-humaneval"),
+        ("MT-Bench, bfloat16 (AMX)", "campaign/ship-specblock-step4480-best-first/compare-bfloat16-amx-mt_bench"),
     ],
     "ship-specblock-step3780": [("HumanEval", "campaign/ship-specblock-step3780/compare-humaneval"),
                                 ("MT-Bench", "campaign/ship-specblock-step3780/compare-mt_bench")],
