@@ -28,7 +28,8 @@ RESULTS = REPO / "docs/results"
 AIMS = (0.35, 0.45)
 TAU_AIM, TAU_BUDGET = 2.4, 16
 TAU_SETTINGS = {  # folder suffix -> tree setting
-    r"shipped(-settings)?": "reference construction, 1 block round (shipped)",
+    r"shipped(-settings)?": "reference construction, 1 block round, chain layout",
+    r"best-first": "reference construction, 1 block round grown best first (shipped)",
     r"reference-2-rounds": "reference construction, 2 block rounds",
 }
 

@@ -4,10 +4,13 @@
         --candidate_settings tree_construction=reference max_blocks=1 --dataset humaneval --output_dir out/compare
 
 What decides whether a newly trained drafter ships: in one process, every prompt runs plain `generate` (the
-reference), plain once more (`plain_control`, the A/A noise floor), transformers' prompt lookup, the shipped drafter
-and the candidate, each drafter with its own `generation_config` (the shipped settings: ``tree_budget="auto"`` and
-the free candidates) plus ``--candidate_settings`` for the candidate. Results, tables and per-prompt rows as
-`specblock-bench` writes them (`commands.benchmark`); rerun with the same ``--output_dir`` to resume.
+reference), plain once more (`plain_control`, the A/A noise floor of the timing), transformers' prompt lookup, the
+shipped drafter, the candidate and a second copy of the shipped drafter (`shipped_control`: the drafters' A/A, whose
+"auto" choosers go their own ways from prompt to prompt), each drafter with its own `generation_config` (the
+shipped settings: ``tree_budget="auto"`` and the free candidates) plus ``--candidate_settings`` for the candidate.
+A candidate is faster only where its ratio to the shipped drafter lies beyond `shipped_control`'s. Results, tables
+and per-prompt rows as `specblock-bench` writes them (`commands.benchmark`); rerun with the same ``--output_dir`` to
+resume.
 """
 
 from __future__ import annotations
@@ -22,6 +25,9 @@ from transformers_specblock.commands.cli import load_bench_drafter, spread_over_
 from transformers_specblock.commands.report import write_report
 from transformers_specblock.hub.loading import load_model
 from transformers_specblock.hub.provenance import describe_device
+
+
+DRAFTER_CONTROL = "shipped_control"  # the shipped drafter timed again, loaded anew: the drafters' A/A
 
 
 def parse_setting(text: str) -> tuple[str, object]:
@@ -50,11 +56,13 @@ def main(argv: list[str] | None = None) -> None:
     prompts = spread_over_categories(load_prompts(args.dataset, tokenizer=tokenizer), args.num_prompts)
     shipped = load_bench_drafter(args.shipped, args.kind, args.target_model, target)
     candidate = load_bench_drafter(args.candidate, args.kind, args.target_model, target)
+    shipped_again = load_bench_drafter(args.shipped, args.kind, args.target_model, target)  # its own serving state
     methods = [
         Method(CONTROL),
         Method("prompt_lookup", {"prompt_lookup_num_tokens": 10}),
         Method("shipped", {"assistant_model": shipped}),
         Method("candidate", {"assistant_model": candidate}, dict(args.candidate_settings)),
+        Method(DRAFTER_CONTROL, {"assistant_model": shipped_again}),
     ]
     Path(args.output_dir).mkdir(parents=True, exist_ok=True)
     results = run_benchmark(target, tokenizer, prompts, methods, max_new_tokens=args.max_new_tokens,

@@ -333,3 +333,24 @@ def test_evaluate_drafter_end_to_end_in_bfloat16(tiny_folders, tmp_path, monkeyp
     ])  # fmt: skip
     assert seen["dtypes"] == (torch.bfloat16, torch.bfloat16)  # the float32 drafter followed the target
     assert (tmp_path / "saved" / "config.json").is_file()
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_compare_drafters_times_the_shipped_drafter_twice(tiny_folders, tmp_path):
+    """The ship comparison runs the shipped drafter a second time from its own copy (the drafters' A/A) beside the
+    candidate in its own settings; in float32 every drafter's output is plain greedy's."""
+    main = load_example("compare_drafters").main
+    out = tmp_path / "compare"
+    main([
+        "--target_model", str(tiny_folders / "target"), "--dtype", "float32", "--shipped", str(tiny_folders / "drafter"),
+        "--candidate", str(tiny_folders / "drafter"), "--candidate_settings", "tree_budget=4",
+        "--dataset", str(tiny_folders / "prompts.jsonl"), "--num_prompts", "1", "--max_new_tokens", "6",
+        "--output_dir", str(out),
+    ])  # fmt: skip
+    results = json.loads((out / "results.json").read_text())
+    assert results["settings"]["candidate_settings"] == {"tree_budget": 4}
+    for name in ("shipped", "candidate", "shipped_control"):
+        assert results["methods"][name]["identical_to_reference"] is True, name
+    rows = [json.loads(line) for line in (out / "per_prompt.jsonl").read_text().splitlines()]
+    candidate = next(row for row in rows if row["method"] == "candidate")
+    assert candidate["nodes_verified"] <= 4 * candidate["iterations"]

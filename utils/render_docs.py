@@ -69,6 +69,8 @@ CAMPAIGN_TAU = [  # (row label, folder under docs/results): the drafters shipped
      "campaign/tau-specblock-campaign-step4480-reference-2-rounds"),
     ("SpecBlock campaign step 4480, reference construction, 2 block rounds, the last grown best first",
      "campaign/tau-specblock-campaign-step4480-best-first-2-rounds"),
+    ("SpecBlock campaign step 5010 (4.37M tokens, 13.3 campaign CPU-h), reference construction, 1 block round grown "
+     "best first", "campaign/tau-specblock-campaign-step5010-best-first"),
 ]  # fmt: skip
 CAMPAIGN_STEP_TAU = {  # README under docs/results -> its generated tau tables: (row label, folder under docs/results)
     "docs/results/campaign/README.md": {
@@ -102,6 +104,12 @@ CAMPAIGN_STEP_TAU = {  # README under docs/results -> its generated tau tables: 
              "campaign/tau-specblock-campaign-step4480-best-first-2-rounds"),
             ("SpecBlock step 4480, 1 block round grown best first from the top 8 of every slot (package construction, "
              "`tree_policy=\"fixed\"`, `fixed_width=8`)", "campaign/tau-specblock-campaign-step4480-best-first-fixed-width-8"),
+        ],
+        "tau-step5010": [
+            ("SpecBlock step 4480 (12.1 campaign CPU-h), 1 block round, grown best first (shipped)",
+             "campaign/tau-specblock-campaign-step4480-best-first"),
+            ("SpecBlock step 5010 (13.3 campaign CPU-h), 1 block round, grown best first",
+             "campaign/tau-specblock-campaign-step5010-best-first"),
         ],
         "tau-equal-cpu": [
             ("SpecBlock step 2810 (7.2 campaign CPU-h), reference trees, 1 block round",
@@ -166,10 +174,13 @@ AUTO_VS_FIXED_AMX = [(f"{title}, fixed 16 nodes / auto", f"auto-vs-fixed/amx-bud
                      (("humaneval", "HumanEval"), ("mt_bench", "MT-Bench"))]  # fmt: skip
 AUTO_VS_FIXED_AVX2 = [(f"{title}, fixed {budget} nodes / auto", f"auto-vs-fixed/avx2-float32-budget{budget}-{name}")
                       for budget in (8, 16) for name, title in (("humaneval", "HumanEval"), ("mt_bench", "MT-Bench"))]
+BEST_FIRST_CALIBRATION = [("off_chain_penalty -0.6 / as shipped", "best-first-calibration/compare-penalty-bfloat16-sharegpt"),
+                          ("the same drafter twice (drafter A/A)",
+                           "best-first-calibration/compare-drafter-aa-bfloat16-sharegpt")]  # fmt: skip
 FRESH_CHOOSER = ("auto-vs-fixed/fresh-chooser-demo.jsonl",
                  {"current": "now", "current2": "now, second copy (A/A)", "before": "before"})
-SHIP_PAIRS = [("candidate", "shipped"), ("candidate", "prompt_lookup"), ("shipped", "prompt_lookup"),
-              ("plain_control", "plain")]  # fmt: skip
+SHIP_PAIRS = [("candidate", "shipped"), ("shipped_control", "shipped"), ("candidate", "prompt_lookup"),
+              ("shipped", "prompt_lookup"), ("plain_control", "plain")]  # fmt: skip
 SPECBLOCK_SHIP = {  # section -> (runs, method pairs) under docs/results/specblock-ship
     "ship-compare": ([("HumanEval", "specblock-ship/compare-humaneval"), ("MT-Bench", "specblock-ship/compare-mt_bench")],
                      SHIP_PAIRS),
@@ -347,6 +358,9 @@ SECTIONS = {
     },
     **{f"docs/results/campaign/{name}/README.md": {"ship-compare": lambda runs=runs: paired_table(runs, SHIP_PAIRS)}
        for name, runs in CAMPAIGN_SHIP.items()},
+    "docs/results/best-first-calibration/README.md": {
+        "ship-compare": lambda: paired_table(BEST_FIRST_CALIBRATION, SHIP_PAIRS)
+    },
     "docs/results/auto-vs-fixed/README.md": {"ship-compare": lambda: paired_table(AUTO_VS_FIXED, SHIP_PAIRS),
                                              "amx-compare": lambda: paired_table(AUTO_VS_FIXED_AMX, SHIP_PAIRS),
                                              "avx2-compare": lambda: paired_table(AUTO_VS_FIXED_AVX2, SHIP_PAIRS),
