@@ -89,12 +89,16 @@ def campaign_aims(folder: Path) -> str:
         return f"{max(tokens - last['tokens'], 0) / tokens_per_cpu_hour:,.0f}"
 
     slot0_tokens = fits["tokens_to_reach"]["45%"]
+    now = f"{best['eval_acc_slot0']:.1%} (step {best['step']}, {best['tokens'] / 1e6:.2f}M tokens, as its run read it)"
+    readings = folder / "float32-readings.json"  # committed weights read again in float32 (runs may autocast)
+    if readings.exists():
+        newest = max(json.loads(readings.read_text())["readings"], key=lambda r: r["campaign_step"])
+        now += f"; {newest['eval_acc_slot0_float32']:.1%} read in float32 (step {newest['campaign_step']})"
     lines = [
         "| aim | now | gain per doubling of training tokens (points fitted) | training tokens in all to reach it | "
         "CPU-hours more |",
         "|---|---|---|---|---|",
-        f"| held-out slot-0 45% | {best['eval_acc_slot0']:.1%} (step {best['step']}, {best['tokens'] / 1e6:.2f}M "
-        f"tokens) | {fits['specblock_points_per_doubling']} points ({fits['specblock_points']}) | "
+        f"| held-out slot-0 45% | {now} | {fits['specblock_points_per_doubling']} points ({fits['specblock_points']}) | "
         f"{slot0_tokens / 1e6:.1f}M | {more_hours(slot0_tokens)} |",
     ]
     tau = next(value for key, value in fits.items() if key.startswith("tau_at_"))

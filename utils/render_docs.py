@@ -137,6 +137,14 @@ CAMPAIGN_STEP_TAU = {  # README under docs/results -> its generated tau tables: 
             ("SpecBlock campaign step 4480, grown best first", "campaign/tau-specblock-campaign-step4480-best-first"),
         ],
     },
+    "docs/results/campaign/ship-specblock-step5010/README.md": {
+        "tau-candidate": [
+            ("SpecBlock shipped: campaign step 4480 (3.89M campaign tokens, 12.1 campaign CPU-h), grown best first",
+             "campaign/tau-specblock-campaign-step4480-best-first"),
+            ("SpecBlock campaign step 5010 (4.37M campaign tokens, 13.3 campaign CPU-h), grown best first",
+             "campaign/tau-specblock-campaign-step5010-best-first"),
+        ],
+    },
     "docs/results/campaign/ship-specblock-step3780/README.md": {
         "tau-candidate": [
             ("SpecBlock shipped: campaign step 1560 (1.70M tokens in all, 4.6 campaign CPU-h)",
@@ -161,6 +169,10 @@ CAMPAIGN_SHIP = {  # README under docs/results/campaign -> its compare_drafters 
         ("HumanEval, bfloat16 (AMX)", "campaign/ship-specblock-step4480-best-first/compare-bfloat16-amx-humaneval"),
         ("MT-Bench, bfloat16 (AMX)", "campaign/ship-specblock-step4480-best-first/compare-bfloat16-amx-mt_bench"),
     ],
+    "ship-specblock-step5010": [
+        ("HumanEval, bfloat16 (AMX)", "campaign/ship-specblock-step5010/compare-bfloat16-amx-humaneval"),
+        ("MT-Bench, bfloat16 (AMX)", "campaign/ship-specblock-step5010/compare-bfloat16-amx-mt_bench"),
+    ],
     "ship-specblock-step3780": [("HumanEval", "campaign/ship-specblock-step3780/compare-humaneval"),
                                 ("MT-Bench", "campaign/ship-specblock-step3780/compare-mt_bench")],
     "ship-specblock-step3310-2-rounds": [
@@ -179,8 +191,8 @@ BEST_FIRST_CALIBRATION = [("off_chain_penalty -0.6 / as shipped", "best-first-ca
                            "best-first-calibration/compare-drafter-aa-bfloat16-sharegpt")]  # fmt: skip
 FRESH_CHOOSER = ("auto-vs-fixed/fresh-chooser-demo.jsonl",
                  {"current": "now", "current2": "now, second copy (A/A)", "before": "before"})
-SHIP_PAIRS = [("candidate", "shipped"), ("shipped_control", "shipped"), ("candidate", "prompt_lookup"),
-              ("shipped", "prompt_lookup"), ("plain_control", "plain")]  # fmt: skip
+SHIP_PAIRS = [("candidate", "shipped"), ("shipped_control", "shipped"), ("candidate", "shipped_control"),
+              ("candidate", "prompt_lookup"), ("shipped", "prompt_lookup"), ("plain_control", "plain")]  # fmt: skip
 SPECBLOCK_SHIP = {  # section -> (runs, method pairs) under docs/results/specblock-ship
     "ship-compare": ([("HumanEval", "specblock-ship/compare-humaneval"), ("MT-Bench", "specblock-ship/compare-mt_bench")],
                      SHIP_PAIRS),
