@@ -71,6 +71,8 @@ CAMPAIGN_TAU = [  # (row label, folder under docs/results): the drafters shipped
      "campaign/tau-specblock-campaign-step4480-best-first-2-rounds"),
     ("SpecBlock campaign step 5010 (4.37M tokens, 13.3 campaign CPU-h), reference construction, 1 block round grown "
      "best first", "campaign/tau-specblock-campaign-step5010-best-first"),
+    ("SpecBlock campaign step 5320 (4.64M tokens, 13.9 campaign CPU-h), reference construction, 1 block round grown "
+     "best first", "campaign/tau-specblock-campaign-step5320-best-first"),
 ]  # fmt: skip
 CAMPAIGN_STEP_TAU = {  # README under docs/results -> its generated tau tables: (row label, folder under docs/results)
     "docs/results/campaign/README.md": {
@@ -110,6 +112,8 @@ CAMPAIGN_STEP_TAU = {  # README under docs/results -> its generated tau tables: 
              "campaign/tau-specblock-campaign-step4480-best-first"),
             ("SpecBlock step 5010 (13.3 campaign CPU-h), 1 block round, grown best first",
              "campaign/tau-specblock-campaign-step5010-best-first"),
+            ("SpecBlock step 5320 (13.9 campaign CPU-h), 1 block round, grown best first",
+             "campaign/tau-specblock-campaign-step5320-best-first"),
         ],
         "tau-equal-cpu": [
             ("SpecBlock step 2810 (7.2 campaign CPU-h), reference trees, 1 block round",
