@@ -90,16 +90,18 @@ def campaign_aims(folder: Path) -> str:
 
     slot0_tokens = fits["tokens_to_reach"]["45%"]
     now = f"{best['eval_acc_slot0']:.1%} (step {best['step']}, {best['tokens'] / 1e6:.2f}M tokens, as its run read it)"
-    readings = folder / "float32-readings.json"  # committed weights read again in float32 (runs may autocast)
-    if readings.exists():
-        newest = max(json.loads(readings.read_text())["readings"], key=lambda r: r["campaign_step"])
-        now += f"; {newest['eval_acc_slot0_float32']:.1%} read in float32 (step {newest['campaign_step']})"
+    # committed weights read again in float32 (runs evaluate in the precision they train in): float32-readings/step-N
+    readings = {int(path.stem[5:]): path for path in folder.glob("float32-readings/step-*.json")}
+    if readings:
+        newest = max(readings)
+        accuracy = json.loads(readings[newest].read_text())["eval_acc_slot0"]
+        now += f"; {accuracy:.1%} read in float32 (step {newest})"
     lines = [
         "| aim | now | gain per doubling of training tokens (points fitted) | training tokens in all to reach it | "
         "CPU-hours more |",
         "|---|---|---|---|---|",
-        f"| held-out slot-0 45% | {now} | {fits['specblock_points_per_doubling']} points ({fits['specblock_points']}) | "
-        f"{slot0_tokens / 1e6:.1f}M | {more_hours(slot0_tokens)} |",
+        f"| held-out slot-0 45% | {now} | {fits['specblock_points_per_doubling']} points "
+        f"({fits['specblock_points']}) | {slot0_tokens / 1e6:.1f}M | {more_hours(slot0_tokens)} |",
     ]
     tau = next(value for key, value in fits.items() if key.startswith("tau_at_"))
     for setting, fit in tau["fits"].items():

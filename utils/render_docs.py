@@ -19,7 +19,7 @@ from campaign_figure import campaign_aims, campaign_status, campaign_svg  # noqa
 from cost_figure import cost_svg  # noqa: E402
 from docs_tables import command_reference  # noqa: E402
 from paired_tables import paired_table, variants_by_prompt  # noqa: E402
-from tau_tables import tau_by_arm, tau_by_set  # noqa: E402
+from tau_tables import calibration, penalty_sweep, tau_by_arm, tau_by_set  # noqa: E402
 from tree_figure import mask_svg, tree_svg  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -375,7 +375,9 @@ SECTIONS = {
     **{f"docs/results/campaign/{name}/README.md": {"ship-compare": lambda runs=runs: paired_table(runs, SHIP_PAIRS)}
        for name, runs in CAMPAIGN_SHIP.items()},
     "docs/results/best-first-calibration/README.md": {
-        "ship-compare": lambda: paired_table(BEST_FIRST_CALIBRATION, SHIP_PAIRS)
+        "calibration": lambda: calibration("best-first-calibration/sharegpt-budget32.json"),
+        "penalty-sweep": lambda: penalty_sweep("best-first-calibration/penalty-sweep-float32-sharegpt/tau.json"),
+        "ship-compare": lambda: paired_table(BEST_FIRST_CALIBRATION, SHIP_PAIRS),
     },
     "docs/results/auto-vs-fixed/README.md": {"ship-compare": lambda: paired_table(AUTO_VS_FIXED, SHIP_PAIRS),
                                              "amx-compare": lambda: paired_table(AUTO_VS_FIXED_AMX, SHIP_PAIRS),

@@ -1,6 +1,6 @@
 """Tau tables of docs/training.md and docs/results/specblock-depth/README.md, read from the JSON the measuring scripts
-wrote: `examples/evaluate_drafter.py --tree_budget 8 16 32` (`eval_results.json`) and
-`examples/experiments/tree_construction_tau.py` (its `summary`). Every output behind a cell equals plain greedy."""
+wrote: `examples/evaluate_drafter.py --tree_budget 8 16 32` (`eval_results.json`),
+`examples/experiments/tree_construction_tau.py` (its `summary`) and the best-first calibration's files. Every output behind a cell equals plain greedy."""
 
 from __future__ import annotations
 
@@ -45,3 +45,27 @@ def tau_by_arm(path: str, arms: list[tuple[str, str, str]], budgets: tuple[int, 
     return _table("arm", budgets, rows) + (
         f"\n\n{prompts} prompts per set, {result['max_new_tokens']} new tokens, {result['hardware']}."
     )
+
+
+def penalty_sweep(relative: str) -> str:
+    """The off-chain penalty sweep's tau (`{"p<penalty>@<budget>": [tau, identical to plain greedy]}`): a row per
+    budget, a column per penalty."""
+    cells = {tuple(name[1:].split("@")): value for name, value in json.loads((RESULTS / relative).read_text()).items()}
+    if not all(identical for _, identical in cells.values()):
+        raise ValueError(f"{relative}: an output left plain greedy; a tau table holds lossless runs only")
+    penalties = list(dict.fromkeys(penalty for penalty, _ in cells))
+    lines = ["| off_chain_penalty | " + " | ".join(p if float(p) else "0 (shipped)" for p in penalties) + " |",
+             "|---" * (len(penalties) + 1) + "|"]  # fmt: skip
+    for budget in dict.fromkeys(budget for _, budget in cells):
+        lines.append(f"| tau at {budget} nodes | " + " | ".join(f"{cells[p, budget][0]:.3f}" for p in penalties) + " |")
+    return "\n".join(lines)
+
+
+def calibration(relative: str) -> str:
+    """`examples/experiments/off_chain_calibration.py`'s cells: per depth and place, the nodes, their mean own draft
+    probability, how often the target accepted them, and the log of the ratio."""
+    lines = ["| depth, where | nodes | own draft probability (mean) | accepted | log ratio |", "|---|---|---|---|---|"]
+    for where, cell in json.loads((RESULTS / relative).read_text())["cells"].items():
+        lines.append(f"| {where} | {cell['nodes']} | {cell['predicted']:.3f} | {cell['accepted']:.3f} | "
+                     f"{cell['log_ratio']:+.2f} |")  # fmt: skip
+    return "\n".join(lines)
