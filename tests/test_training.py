@@ -367,6 +367,26 @@ def test_the_last_steps_evaluation_is_not_run_twice(workspace):
     assert json.loads((out / "all_results.json").read_text())["eval_loss"] == evaluations[-1]["eval_loss"]
 
 
+def test_do_train_false_evaluates_a_saved_drafter_as_its_run_did(workspace):
+    """`--do_train false --init_drafter DIR` reads a saved drafter's held-out metrics without training it: the same
+    numbers its own run's last evaluation logged (float32 on disk), and no drafter written."""
+    trained = workspace["root"] / "run_to_evaluate"
+    evaluated = workspace["root"] / "eval_only"
+    eval_args = ("--eval_dataset", workspace["eval"], "--eval_samples", "4")
+    train_main(common_args(workspace, trained, "--max_steps", "3", "--save_dtype", "float32", *eval_args))
+    ran = json.loads((trained / "all_results.json").read_text())
+    train_main(common_args(workspace, evaluated, "--do_train", "false", "--init_drafter", str(trained), *eval_args))
+    read = json.loads((evaluated / "eval_results.json").read_text())
+    for key in ("eval_loss", "eval_acc_slot0", "eval_accept_length"):
+        assert read[key] == pytest.approx(ran[key], rel=1e-5), key
+    assert not (evaluated / "model.safetensors").exists()
+    with pytest.raises(ValueError, match="--init_drafter"):
+        train_main(common_args(workspace, workspace["root"] / "eval_new", "--do_train", "false", *eval_args))
+    with pytest.raises(ValueError, match="--eval_dataset"):
+        no_eval = ("--do_train", "false", "--init_drafter", str(trained), "--eval_dataset", "none")
+        train_main(common_args(workspace, workspace["root"] / "eval_none", *no_eval))
+
+
 def test_precomputed_features_match_online(workspace):
     online, pre = workspace["root"] / "online", workspace["root"] / "pre"
     extra = ["--max_steps", "1", "--features_dtype", "float32", "--draft_vocab_size", "40"]

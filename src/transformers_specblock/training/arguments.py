@@ -165,12 +165,17 @@ class DataArguments:
 class SpecBlockTrainingArguments(TrainingArguments):
     """`TrainingArguments` plus the SpecBlock loss switches.
 
-    Changed defaults: ``remove_unused_columns=False`` (the collator builds what the trainer needs),
+    Changed defaults: ``do_train=True`` (``--do_train false`` evaluates a saved drafter without training it),
+    ``remove_unused_columns=False`` (the collator builds what the trainer needs),
     ``adam_beta2=0.95`` and ``max_grad_norm=0.5`` (the reference recipe), ``output_dir="out/drafter"``,
     ``include_num_input_tokens_seen="non_padding"`` (the model card's token count, kept across a resume).
     """
 
     output_dir: str | None = field(default="out/drafter", metadata={"help": "Checkpoints and the final drafter."})
+    do_train: bool = field(
+        default=True,
+        metadata={"help": "Train (default). --do_train false only evaluates the --init_drafter on the eval set."},
+    )
     include_num_input_tokens_seen: str = field(
         default="non_padding", metadata={"help": "Count trained tokens: 'non_padding' (default), 'all' or 'no'."}
     )

@@ -105,7 +105,7 @@ DRAFTERS = {  # --drafter -> (config class, trainable model class whose forward 
 
 
 def _build_drafter(
-    model_args: ModelArguments, target: PreTrainedModel, train_set: datasets.Dataset
+    model_args: ModelArguments, target: PreTrainedModel, train_set: datasets.Dataset | None
 ) -> SpecBlockDraftModelForTraining | Eagle3DraftModel:
     if model_args.drafter == "dflash":  # full vocabulary, DFlash's own layer ids (training/dflash.py)
         drafter = build_dflash_drafter(model_args, target)
@@ -227,7 +227,8 @@ def run_training(
     training_args: SpecBlockTrainingArguments,
     command: str | None = None,
 ) -> SpecBlockTrainer:
-    """Train a drafter end to end (what ``specblock-train`` runs); returns the trainer after saving."""
+    """Train a drafter end to end (what ``specblock-train`` runs); returns the trainer after saving. With
+    ``--do_train false`` only evaluate the ``--init_drafter`` on the eval set (metrics in ``eval_results.json``)."""
     if data_args.features not in ("online", "precomputed"):
         raise ValueError(f"--features must be 'online' or 'precomputed', got {data_args.features!r}.")
     if training_args.num_blocks < 1:
@@ -247,8 +248,12 @@ def run_training(
     if not tokenizer.chat_template:
         raise ValueError(f"The tokenizer of {model_args.target_model!r} has no chat template to render conversations.")
 
-    conversations = load_conversations(data_args.dataset, data_args.max_train_samples)
-    train_set = tokenize_conversations(conversations, tokenizer, data_args.max_length, name=data_args.dataset)
+    train_set = None
+    if training_args.do_train:
+        conversations = load_conversations(data_args.dataset, data_args.max_train_samples)
+        train_set = tokenize_conversations(conversations, tokenizer, data_args.max_length, name=data_args.dataset)
+    elif model_args.init_drafter is None:
+        raise ValueError("--do_train false evaluates a trained drafter: pass it as --init_drafter FOLDER.")
     eval_source = data_args.eval_dataset
     if eval_source is None:
         eval_source = "sharegpt-heldout" if data_args.dataset in ("sharegpt", "sharegpt-train") else "none"
@@ -256,13 +261,15 @@ def run_training(
     if eval_source != "none":
         eval_conversations = load_conversations(eval_source, data_args.eval_samples)
         eval_set = tokenize_conversations(eval_conversations, tokenizer, data_args.max_length, name=eval_source)
+    elif not training_args.do_train:
+        raise ValueError("--do_train false evaluates on --eval_dataset: name one (e.g. sharegpt-heldout).")
 
     torch.manual_seed(training_args.seed)
     drafter = _build_drafter(model_args, target, train_set)
     started_from = getattr(drafter.config, "training_info", None)  # an --init_drafter's record (training_info)
     drafter.loss_config = SpecBlockLossConfig.from_args(training_args)
 
-    if data_args.features == "precomputed":
+    if data_args.features == "precomputed" and train_set is not None:
         features_dir = data_args.features_dir or os.path.join(training_args.output_dir, "features")
         with training_args.main_process_first(desc="precomputing target features"):
             precompute_features(
@@ -304,6 +311,13 @@ def run_training(
         "license": model_args.license,
         "base_model_id": model_args.base_model_id,
     }
+    if not training_args.do_train:  # --do_train false: the --init_drafter's evaluation, nothing trained or saved
+        metrics = trainer.evaluate()
+        if training_args.should_save:
+            os.makedirs(training_args.output_dir, exist_ok=True)
+            trainer.save_metrics("eval", metrics)
+        trainer.final_metrics = metrics
+        return trainer
     resume = training_args.resume_from_checkpoint
     if resume == "last":  # the newest checkpoint whose save completed; none yet: a fresh start
         resume = last_complete_checkpoint(training_args.output_dir)
