@@ -63,7 +63,8 @@ CAMPAIGN_TAU = [  # (row label, folder under docs/results): the drafters shipped
      "campaign/tau-specblock-campaign-step4110-reference-2-rounds"),
     ("SpecBlock campaign step 4480 (3.89M tokens, 12.1 campaign CPU-h), reference construction, 1 block round",
      "campaign/tau-specblock-campaign-step4480-shipped-settings"),
-    ("SpecBlock campaign step 4480, reference construction, 1 block round grown best first: shipped now",
+    ("SpecBlock campaign step 4480, reference construction, 1 block round grown best first: shipped until step 5560 "
+     "replaced it",
      "campaign/tau-specblock-campaign-step4480-best-first"),
     ("SpecBlock campaign step 4480, reference construction, 2 block rounds",
      "campaign/tau-specblock-campaign-step4480-reference-2-rounds"),
@@ -74,7 +75,7 @@ CAMPAIGN_TAU = [  # (row label, folder under docs/results): the drafters shipped
     ("SpecBlock campaign step 5320 (4.64M tokens, 13.9 campaign CPU-h), reference construction, 1 block round grown "
      "best first", "campaign/tau-specblock-campaign-step5320-best-first"),
     ("SpecBlock campaign step 5560 (4.85M tokens, 14.4 campaign CPU-h), reference construction, 1 block round grown "
-     "best first", "campaign/tau-specblock-campaign-step5560-best-first"),
+     "best first: shipped now", "campaign/tau-specblock-campaign-step5560-best-first"),
 ]  # fmt: skip
 CAMPAIGN_STEP_TAU = {  # README under docs/results -> its generated tau tables: (row label, folder under docs/results)
     "docs/results/campaign/README.md": {
@@ -110,13 +111,13 @@ CAMPAIGN_STEP_TAU = {  # README under docs/results -> its generated tau tables: 
              "`tree_policy=\"fixed\"`, `fixed_width=8`)", "campaign/tau-specblock-campaign-step4480-best-first-fixed-width-8"),
         ],
         "tau-step5010": [
-            ("SpecBlock step 4480 (12.1 campaign CPU-h), 1 block round, grown best first (shipped)",
+            ("SpecBlock step 4480 (12.1 campaign CPU-h), 1 block round, grown best first (shipped until step 5560)",
              "campaign/tau-specblock-campaign-step4480-best-first"),
             ("SpecBlock step 5010 (13.3 campaign CPU-h), 1 block round, grown best first",
              "campaign/tau-specblock-campaign-step5010-best-first"),
             ("SpecBlock step 5320 (13.9 campaign CPU-h), 1 block round, grown best first",
              "campaign/tau-specblock-campaign-step5320-best-first"),
-            ("SpecBlock step 5560 (14.4 campaign CPU-h), 1 block round, grown best first",
+            ("SpecBlock step 5560 (14.4 campaign CPU-h), 1 block round, grown best first (shipped)",
              "campaign/tau-specblock-campaign-step5560-best-first"),
         ],
         "tau-equal-cpu": [
@@ -153,6 +154,14 @@ CAMPAIGN_STEP_TAU = {  # README under docs/results -> its generated tau tables: 
              "campaign/tau-specblock-campaign-step5010-best-first"),
         ],
     },
+    "docs/results/campaign/ship-specblock-step5560/README.md": {
+        "tau-candidate": [
+            ("SpecBlock shipped: campaign step 4480 (3.89M campaign tokens, 12.1 campaign CPU-h), grown best first",
+             "campaign/tau-specblock-campaign-step4480-best-first"),
+            ("SpecBlock campaign step 5560 (4.85M campaign tokens, 14.4 campaign CPU-h), grown best first",
+             "campaign/tau-specblock-campaign-step5560-best-first"),
+        ],
+    },
     "docs/results/campaign/ship-specblock-step3780/README.md": {
         "tau-candidate": [
             ("SpecBlock shipped: campaign step 1560 (1.70M tokens in all, 4.6 campaign CPU-h)",
@@ -180,6 +189,12 @@ CAMPAIGN_SHIP = {  # README under docs/results/campaign -> its compare_drafters 
     "ship-specblock-step5010": [
         ("HumanEval, bfloat16 (AMX)", "campaign/ship-specblock-step5010/compare-bfloat16-amx-humaneval"),
         ("MT-Bench, bfloat16 (AMX)", "campaign/ship-specblock-step5010/compare-bfloat16-amx-mt_bench"),
+    ],
+    "ship-specblock-step5560": [
+        ("HumanEval, bfloat16 (AVX512-BF16)", "campaign/ship-specblock-step5560/compare-bfloat16-avx512bf16-humaneval"),
+        ("MT-Bench, bfloat16 (AVX512-BF16)", "campaign/ship-specblock-step5560/compare-bfloat16-avx512bf16-mt_bench"),
+        ("ShareGPT held-out, bfloat16 (AVX512-BF16)",
+         "campaign/ship-specblock-step5560/compare-bfloat16-avx512bf16-sharegpt"),
     ],
     "ship-specblock-step3780": [("HumanEval", "campaign/ship-specblock-step3780/compare-humaneval"),
                                 ("MT-Bench", "campaign/ship-specblock-step3780/compare-mt_bench")],
