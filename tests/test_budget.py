@@ -677,3 +677,28 @@ def test_a_chosen_budget_is_weighed_by_what_its_steps_took():
         chooser.observe_step(8, 0.12, drafting_seconds=0.13, budget=8)
     chooser.observe_step(8, 0.12, drafting_seconds=1.13, catch_up=(40, 1.0), budget=8)
     assert chooser.seconds(8) == pytest.approx(0.25) and chooser.choose() == 0  # 2 / 0.25 < 1 / 0.10
+
+
+def test_what_a_budget_took_long_ago_gives_way_to_the_model():
+    """A drafting budget's measured step times (`step_time`) are refreshed only while it is chosen. Steps that were
+    slow once (a loaded machine, a drafter catching up) must not keep it from being chosen for good: once they are
+    older than the chooser's window, the model (kept current by the explorations) judges it again, and where it
+    pays the chooser drafts with it again, and measures it anew."""
+    chooser = AutoBudget([0, 8], TargetCost([0, 8], [0.10, 0.12]), warmup=0, keep=4, window=64)
+
+    def step(drafting: float, accepted: int) -> int:  # one verified step as the decoding loop reports it
+        budget = chooser.next_budget(explore_interval=16, explore_share=1.0)
+        if budget:  # the drafter's steady time is 0.01 s; `drafting` is what this step's drafting took in all
+            chooser.observe(chain_tree(8), list(range(1, accepted + 1)), drafting_seconds=0.01, budget=8)
+            chooser.observe_step(8, 0.12, drafting_seconds=drafting, budget=budget)
+        else:
+            chooser.observe_step(0, 0.10, budget=budget)
+        return budget
+
+    for _ in range(4):  # drafted steps took 0.25 s in all: plain decoding wins (2 tokens / 0.25 s < 1 / 0.10 s)
+        assert step(0.13, accepted=1) == 8
+    assert chooser.choose() == 0
+    # from now on a drafted step takes 0.13 s and commits 2.4 tokens on average: 2.4 / 0.13 s beats 1 / 0.10 s
+    taken = [step(0.01, accepted=1 + (i % 5 < 2)) for i in range(300)]
+    assert chooser.choose() == 8 and taken[-100:].count(8) >= 90
+    assert chooser.seconds(8) == pytest.approx(0.13)

@@ -1,14 +1,15 @@
 """Variants of the `tree_budget="auto"` chooser side by side, interleaved per prompt (bfloat16, as shipped).
 
-    OMP_NUM_THREADS=1 python examples/experiments/auto_chooser_ab.py --variants A A2 F1 fixed16 \
-        --output docs/results/auto-vs-fixed/chooser-ab-1.jsonl
+    OMP_NUM_THREADS=1 python examples/experiments/auto_chooser_ab.py --variants A A2 S \
+        --output docs/results/auto-vs-fixed/chooser-ab-3.jsonl
 
 Each variant serves the same prompts (HumanEval then MT-Bench, 16 each spread over the categories, 128 new tokens)
 with its own drafter object, so each keeps its own chooser from prompt to prompt as a server would; the order of the
 variants rotates per prompt. Variants: ``A`` / ``A2`` the chooser as shipped (two copies: the A/A control),
-``F1`` a budget's measured whole-step time used only while it has a sample in the chooser's window (else the
-model), ``G`` a drafted budget's tau estimated as the free candidates' current tau plus the drafter's measured gain
-over them at drafted steps, ``fixedN`` a fixed budget of N nodes. F1 and G patch `AutoBudget` for their own
+``S`` a budget's measured whole-step time used however old it is (the chooser before 2026-12-06; the rows of
+``chooser-ab-1/2.jsonl`` name the rule since then, taking it only while it has a sample in the chooser's window,
+``F1``), ``G`` a drafted budget's tau estimated as the free candidates' current tau plus the drafter's measured gain
+over them at drafted steps, ``fixedN`` a fixed budget of N nodes. S and G patch `AutoBudget` for their own
 choosers only. One JSON line per prompt: seconds per variant.
 """
 
@@ -37,14 +38,9 @@ def variant(chooser: B.AutoBudget) -> str:
 
 
 def seconds(self: B.AutoBudget, budget: int) -> float:
-    key = (B.batch_bucket(self.batch_size), budget)
-    taken = self.step_time.get(key)
-    if variant(self) == "F1" and taken is not None and taken.count >= self.keep and taken.samples[-1][0] <= self.clock - self.window:
-        stale = self.step_time.pop(key)  # stale: the model instead
-        try:
-            return ORIGINAL["seconds"](self, budget)
-        finally:
-            self.step_time[key] = stale
+    taken = self.step_time.get((B.batch_bucket(self.batch_size), budget))
+    if variant(self) == "S" and taken is not None and taken.count >= self.keep:  # however old its samples are
+        return taken.mean(self.clock)
     return ORIGINAL["seconds"](self, budget)
 
 
@@ -79,7 +75,7 @@ def estimates(self: B.AutoBudget) -> dict[int, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--drafter", default="specblock-smollm2-135m-instruct")
-    parser.add_argument("--variants", nargs="+", default=["A", "A2", "F1", "fixed16"])
+    parser.add_argument("--variants", nargs="+", default=["A", "A2", "S", "fixed16"])
     parser.add_argument("--num_prompts", type=int, default=16, help="per prompt set")
     parser.add_argument("--output", required=True, help="JSONL, appended")
     args = parser.parse_args()

@@ -70,6 +70,10 @@ class RecentMean:
         while len(self.samples) > self.keep and self.samples[0][0] <= step - self.window:
             self.samples.popleft()
 
+    def latest_within_window(self, step: int) -> bool:
+        """Whether the newest sample was added in the last `window` steps (before `step`)."""
+        return bool(self.samples) and self.samples[-1][0] > step - self.window
+
     def mean(self, step: int) -> float:
         recent = self._recent(step)
         return sum(recent) / len(recent) if recent else 0.0

@@ -13,7 +13,8 @@ tree steps and plain steps apart), so a tree that pays for its forward but not f
 Once a budget has been chosen `keep` times, what its steps took in all (`AutoBudget.step_time`: drafting, the
 drafter's catching up on steps it skipped, verification and the loop) replaces that model for it: where the choice
 alternates between drafting and not, the model's steady drafting time is too low, and it misjudges the free
-candidates' steps.
+candidates' steps. A budget not chosen for `window` steps is judged by the model again, which the explorations keep
+current: its steps' times are refreshed only while it is chosen, and slow steps long ago must not shut it out.
 
 The budget caps the tree; `AutoBudget.worth_verifying` then sizes each drafted tree, keeping the prefix of its
 pruning order with the most expected tokens per second (a node's exp(path score) read as its chance of acceptance).
@@ -381,10 +382,11 @@ class AutoBudget:
     def seconds(self, budget: int) -> float:
         """The expected seconds of a step drafting with `budget` (`PLAIN`: a plain step) for the live batch: what such
         steps took once it was chosen `keep` times (drafting, catching up on skipped positions and the loop's work
-        included), else the model: the cost curve at the nodes it verifies, the loop's overhead and the drafter's
-        time on steady steps."""
+        included) while it was last chosen within the window, else the model: the cost curve at the nodes it
+        verifies, the loop's overhead and the drafter's time on steady steps (which the explorations keep current, so
+        steps that were slow long ago do not shut a budget out for good)."""
         taken = self.step_time.get((batch_bucket(self.batch_size), budget))
-        if taken is not None and taken.count >= self.keep:
+        if taken is not None and taken.count >= self.keep and taken.latest_within_window(self.clock):
             return taken.mean(self.clock)
         if budget == PLAIN or (budget == 0 and not self.free_at_zero):
             return self.step_seconds(0)
