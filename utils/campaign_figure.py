@@ -1,6 +1,6 @@
 """docs/figures/campaign.svg and the status table of docs/training.md: the training campaign's held-out slot-0
 accuracy per drafter, against its training tokens in total and against the campaign's CPU-hours, with the drafters it
-started from (the ones shipped before it) marked, read from docs/results/campaign (`examples/campaign_curve.py`
+started from (the ones shipped before it) and the steps shipped now marked, read from docs/results/campaign (`examples/campaign_curve.py`
 appends the points, `shipped.json` holds the starting ones). A run ``DRAFTER-from-step-N`` continued the committed
 weights of campaign step N after a machine lost its checkpoints: its line starts at the last evaluation before N."""
 
@@ -118,6 +118,11 @@ def campaign_aims(folder: Path) -> str:
     )
 
 
+def _diamond(x: float, y: float, r: float = 6.0) -> str:
+    """An SVG path: a diamond of half-width `r` centred on (x, y)."""
+    return f"M{x:.1f},{y - r:.1f} L{x + r:.1f},{y:.1f} L{x:.1f},{y + r:.1f} L{x - r:.1f},{y:.1f} Z"
+
+
 def _ticks(top: float) -> list[float]:
     step = next(s for s in (0.1, 0.2, 0.25, 0.5, 1, 2, 5, 10, 20) if top / s <= 6)
     return [i * step for i in range(int(top / step + 1e-9) + 1)]
@@ -131,6 +136,11 @@ def campaign_svg(folder: Path) -> str:
     y_low, y_high = int(min(accuracies) * 100) - 1, int(max(accuracies) * 100) + 2
     tokens_max = max([p["tokens"] for p in points] + [shipped[d]["tokens"] for d in COLOURS]) / 1e6
     hours_max = max([p.get("train_cpu_seconds") or p["train_seconds"] for p in points] + [1.0]) / 3600
+    shipped_now = {  # the evaluation at or just before the campaign step each drafter ships now
+        drafter: max((p for run in runs[drafter].values() for p in run
+                      if p["step"] <= step and not p.get("abandoned")), key=lambda p: p["step"])
+        for drafter, step in shipped.get("shipped_now", {}).items()
+    }  # fmt: skip
     panels = [  # (title, x of a point, x of a shipped drafter, axis maximum, left edge)
         ("training tokens (millions)", lambda p: p["tokens"] / 1e6, lambda d: shipped[d]["tokens"] / 1e6,
          tokens_max * 1.05, LEFT),
@@ -176,17 +186,23 @@ def campaign_svg(folder: Path) -> str:
             x, y = x_of(x_shipped(drafter)), y_of(shipped[drafter]["eval_acc_slot0"])
             parts.append(f'<rect x="{x - 5:.1f}" y="{y - 5:.1f}" width="10" height="10" fill="none" '
                          f'stroke="{COLOURS[drafter]}" stroke-width="2"/>')  # fmt: skip
+        for drafter, point in shipped_now.items():
+            x, y = x_of(x_point(point)), y_of(point["eval_acc_slot0"])
+            parts.append(f'<path d="{_diamond(x, y)}" fill="{COLOURS[drafter]}" stroke="#222222"/>')
     parts.append(f'<text x="16" y="{TOP + plot_h / 2:.0f}" transform="rotate(-90 16 {TOP + plot_h / 2:.0f})" '
                  'text-anchor="middle" fill="#333333">held-out slot-0 accuracy (%)</text>')  # fmt: skip
     legend_x = LEFT + 2 * PANEL_W + GAP + 16
     entries = [(f"{NAMES[d]} campaign", COLOURS[d], "line") for d in COLOURS]
     entries += [(f"{NAMES[d]} at the start", COLOURS[d], "box") for d in COLOURS]
+    entries += [(f"{NAMES[d]} shipped now", COLOURS[d], "diamond") for d in shipped_now]
     entries += [("a run given up (dashed)", "#888888", "dash")]
     for k, (label, colour, kind) in enumerate(entries):
         ly = TOP + 14 + 18 * k
         if kind == "box":
             parts.append(f'<rect x="{legend_x + 7}" y="{ly - 9}" width="10" height="10" fill="none" '
                          f'stroke="{colour}" stroke-width="2"/>')  # fmt: skip
+        elif kind == "diamond":
+            parts.append(f'<path d="{_diamond(legend_x + 12, ly - 4)}" fill="{colour}" stroke="#222222"/>')
         else:
             dash = ' stroke-dasharray="4 3"' if kind == "dash" else ""
             parts.append(f'<line x1="{legend_x}" y1="{ly - 4}" x2="{legend_x + 24}" y2="{ly - 4}" stroke="{colour}" '
