@@ -25,7 +25,7 @@ from tree_figure import mask_svg, tree_svg  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "docs" / "results"
 # The current runs the pages cite: (folder under docs/results, date run). Everything else under docs/results is older.
-SINGLE_STREAM = {"bfloat16": ("glance-2026-12-06c-amx", "2026-12-06"), "float32": ("glance-2026-12-06b-avx2", "2026-12-06")}
+SINGLE_STREAM = {"bfloat16": ("glance-2026-12-06d-avx512bf16", "2026-12-06"), "float32": ("glance-2026-12-06b-avx2", "2026-12-06")}
 BATCHES = ("batch-control", "bfloat16", "2026-12-02")
 TARGET_COST = ("target-cost/amd-epyc.json", "2026-12-03")
 SUFFIX_STREAMS = ("suffix-streams-bf16", "2026-12-02")
@@ -285,7 +285,7 @@ def glance(root: str = "docs/results") -> str:
         *lines, "",
         f"Speed-up over plain `generate` in the same run (tau: tokens committed per target forward), batch 1, greedy, "
         f"{settings['num_prompts']} prompts x {settings['max_new_tokens']} new tokens, "
-        f"{settings['target_model']}{where_run}; one thread, the shipped drafters as shipped. "
+        f"{settings['target_model']}{where_run}; one thread, the drafters shipped when each column was measured, as shipped. "
         f"Results: {'; '.join(notes)}.",
         "",
         ("GPU: " + ", ".join(gpu)) if gpu else "GPU: not measured yet.",
