@@ -48,6 +48,7 @@ def train_main(argv: Sequence[str] | None = None) -> None:
     ``--target_model`` takes a packaged name, a local folder or a Hub id; ``--device`` / ``--dtype`` place the
     frozen target (the drafter trains where `TrainingArguments` puts it, in float32 weights; ``--bf16`` is its mixed
     precision).
+    ``--do_train false --init_drafter FOLDER`` only evaluates a saved drafter on ``--eval_dataset``.
     Metrics land in ``<output_dir>/all_results.json`` and ``trainer_state.json``; call
     `transformers_specblock.training.run_training` to get the trainer object instead.
     """
