@@ -76,6 +76,8 @@ CAMPAIGN_TAU = [  # (row label, folder under docs/results): the drafters shipped
      "best first", "campaign/tau-specblock-campaign-step5320-best-first"),
     ("SpecBlock campaign step 5560 (4.85M tokens, 14.4 campaign CPU-h), reference construction, 1 block round grown "
      "best first: shipped now", "campaign/tau-specblock-campaign-step5560-best-first"),
+    ("SpecBlock campaign step 6000 (5.23M tokens, 15.9 campaign CPU-h), reference construction, 1 block round grown "
+     "best first", "campaign/tau-specblock-campaign-step6000-best-first"),
 ]  # fmt: skip
 CAMPAIGN_STEP_TAU = {  # README under docs/results -> its generated tau tables: (row label, folder under docs/results)
     "docs/results/campaign/README.md": {
@@ -119,6 +121,8 @@ CAMPAIGN_STEP_TAU = {  # README under docs/results -> its generated tau tables: 
              "campaign/tau-specblock-campaign-step5320-best-first"),
             ("SpecBlock step 5560 (14.4 campaign CPU-h), 1 block round, grown best first (shipped)",
              "campaign/tau-specblock-campaign-step5560-best-first"),
+            ("SpecBlock step 6000 (15.9 campaign CPU-h), 1 block round, grown best first",
+             "campaign/tau-specblock-campaign-step6000-best-first"),
         ],
         "tau-equal-cpu": [
             ("SpecBlock step 2810 (7.2 campaign CPU-h), reference trees, 1 block round",
