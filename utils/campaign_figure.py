@@ -1,7 +1,7 @@
 """docs/figures/campaign.svg and the status table of docs/training.md: the training campaign's held-out slot-0
 accuracy per drafter, against its training tokens in total and against the campaign's CPU-hours, with the drafters it
-started from (the ones shipped before it) and the steps shipped now marked, read from docs/results/campaign (`examples/campaign_curve.py`
-appends the points, `shipped.json` holds the starting ones). A run ``DRAFTER-from-step-N`` continued the committed
+started from (the ones shipped before it) and the steps shipped now marked, read from docs/results/campaign
+(`examples/campaign_curve.py` appends the points, `shipped.json` holds the starting ones and the shipped steps). A run ``DRAFTER-from-step-N`` continued the committed
 weights of campaign step N after a machine lost its checkpoints: its line starts at the last evaluation before N."""
 
 from __future__ import annotations

@@ -25,7 +25,8 @@ from tree_figure import mask_svg, tree_svg  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "docs" / "results"
 # The current runs the pages cite: (folder under docs/results, date run). Everything else under docs/results is older.
-SINGLE_STREAM = {"bfloat16": ("glance-2026-12-06d-avx512bf16", "2026-12-06"), "float32": ("glance-2026-12-06b-avx2", "2026-12-06")}
+SINGLE_STREAM = {"bfloat16": ("glance-2026-12-06d-avx512bf16", "2026-12-06"),
+                 "float32": ("glance-2026-12-06b-avx2", "2026-12-06")}
 BATCHES = ("batch-control", "bfloat16", "2026-12-02")
 TARGET_COST = ("target-cost/amd-epyc.json", "2026-12-03")
 SUFFIX_STREAMS = ("suffix-streams-bf16", "2026-12-02")
