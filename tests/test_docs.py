@@ -1,5 +1,7 @@
 """The documentation: generated tables and figures match their results files, every page is in the site's
-navigation, the README's links resolve, and the site builds with `mkdocs build --strict`."""
+navigation, the README's links resolve, the site builds with `mkdocs build --strict`, and the built site links to
+no page or file it lacks (nor to a repository file that does not exist), copies no weights or patches and stays
+small; the pages' code lines fit the page and name no folder of a development machine."""
 
 from __future__ import annotations
 
@@ -7,7 +9,9 @@ import importlib.util
 import re
 import subprocess
 import sys
+from html.parser import HTMLParser
 from pathlib import Path
+from urllib.parse import unquote, urlsplit
 
 import pytest
 import yaml
@@ -15,7 +19,10 @@ import yaml
 from conftest import load_example
 
 ROOT = Path(__file__).resolve().parents[1]
-NOT_BUILT = ("lab-notes/", "results/")  # mkdocs.yml's exclude_docs: history and raw results
+NOT_BUILT = ("lab-notes/", "results/")  # history and raw results: in the repository, not built into the site
+SITE_MB = 15  # the built site stays under this (pages, search index, theme and the few results figures shown)
+CODE_LINE = 100  # characters per line of a fenced code block on a site page (what fits the page's width)
+MACHINE_PATH = re.compile(r"(?<![\w.~-])/(?:work|root|tmp|home|mnt|scratch)/")  # folders of a development machine
 
 
 def render_docs():
@@ -64,13 +71,125 @@ def test_readme_is_short_and_its_links_resolve():
             assert (ROOT / target).exists(), f"README.md links to a missing {target}"
 
 
-def test_site_builds_strict(tmp_path):
-    """A broken link, anchor, page or API reference fails the build (mkdocs comes with the test extra)."""
+@pytest.fixture(scope="module")
+def site(tmp_path_factory) -> Path:
+    """The site as `mkdocs build --strict` writes it (mkdocs comes with the test extra)."""
+    site_dir = tmp_path_factory.mktemp("site") / "site"
     result = subprocess.run(
-        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(site_dir)],
         cwd=ROOT, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
+    return site_dir
+
+
+def test_site_builds_strict(site):
+    """A broken link, anchor, page or API reference fails the build."""
+    assert (site / "index.html").exists()
+
+
+class Links(HTMLParser):
+    def __init__(self):
+        super().__init__()
+        self.links: list[str] = []
+
+    def handle_starttag(self, tag, attrs):
+        self.links += [value for name, value in attrs if name in ("href", "src") and value]
+
+
+def site_links(site: Path) -> dict[Path, list[str]]:
+    pages = {}
+    for page in sorted(site.rglob("*.html")):
+        parser = Links()
+        parser.feed(page.read_text(encoding="utf-8"))
+        pages[page] = parser.links
+    return pages
+
+
+def test_the_site_links_to_no_page_or_file_it_lacks(site):
+    """Every relative href / src of every built page is a file of the site (a folder: its index.html)."""
+    dead = []
+    for page, links in site_links(site).items():
+        for link in links:
+            parts = urlsplit(link)
+            if parts.scheme or parts.netloc or not parts.path or link.startswith("/"):
+                continue
+            target = (page.parent / unquote(parts.path)).resolve()
+            if parts.path.endswith("/") or target.is_dir():
+                target = target / "index.html"
+            if not target.is_file():
+                dead.append(f"{page.relative_to(site)} -> {link}")
+    assert dead == [], f"{len(dead)} dead links in the built site:\n" + "\n".join(dead[:40])
+
+
+def test_the_sites_links_to_repository_files_name_files_that_exist(site):
+    """Links to files the site does not build point at the repository (utils/docs_hooks.py): each names a path of
+    this checkout, a file for blob/ and a folder for tree/."""
+    spec = importlib.util.spec_from_file_location("docs_hooks", ROOT / "utils" / "docs_hooks.py")
+    hooks = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hooks)
+    branch = f"/{hooks.REPOSITORY_BRANCH}/"
+    repo_url = yaml.safe_load((ROOT / "mkdocs.yml").read_text())["repo_url"].rstrip("/")
+    missing, count = [], 0
+    for page, links in site_links(site).items():
+        for link in links:
+            match = re.match(re.escape(repo_url) + r"/(blob|tree)" + re.escape(branch) + r"([^#?]+)", link)
+            if match:
+                count += 1
+                path = ROOT / unquote(match.group(2))
+                if not (path.is_file() if match.group(1) == "blob" else path.is_dir()):
+                    missing.append(f"{page.relative_to(site)} -> {link}")
+    assert count > 0, "no page links a repository file: has the hook stopped running?"
+    assert missing == [], "links to repository paths that do not exist:\n" + "\n".join(missing)
+
+
+def test_the_site_copies_no_weights_or_patches_and_stays_small(site):
+    files = [path for path in site.rglob("*") if path.is_file()]
+    heavy = [str(path.relative_to(site)) for path in files if path.suffix in (".safetensors", ".patch", ".bin", ".pt")]
+    assert heavy == [], "weights or patches copied into the site"
+    assert not (site / "lab-notes").exists(), "the lab notes are built into the site"
+    size_mb = sum(path.stat().st_size for path in files) / 2**20
+    assert size_mb < SITE_MB, f"the built site holds {size_mb:.1f} MB"
+
+
+def test_the_api_reference_is_headed_by_public_names(site):
+    """`transformers_specblock.SpecBlockDraftModel`, not the private module it is defined in."""
+    headings = []
+    for page in (site / "reference").rglob("index.html"):
+        for heading in re.findall(r'<h2 id="([^"]+)"', page.read_text(encoding="utf-8")):
+            headings.append(heading)
+    assert "transformers_specblock.SpecBlockDraftModel" in headings
+    private = [h for h in headings if re.search(r"\.(modeling|configuration)_|\.(integration|loading|assets)\.", h)]
+    assert private == [], "API reference headed by private module paths"
+
+
+def test_the_steps_of_a_decoding_step_are_one_numbered_list(site):
+    """Draft, verify, accept, clean up: one list around the mask figure, not two that each start at 1."""
+    page = (site / "concepts" / "tree-speculative-decoding" / "index.html").read_text(encoding="utf-8")
+    section = page.split('id="one-step"', 1)[1].split("<h2", 1)[0]
+    assert section.count("<ol>") == 1 and section.count("<li>") == 4
+
+
+def site_pages() -> list[Path]:
+    docs = ROOT / "docs"
+    return [page for page in sorted(docs.rglob("*.md")) if not page.relative_to(docs).as_posix().startswith(NOT_BUILT)]
+
+
+def test_code_blocks_fit_the_page():
+    long = []
+    for page in site_pages():
+        for fence in re.finditer(r"^([ \t]*)(```+|~~~+)[^\n]*\n(.*?)^\1\2[ \t]*$", page.read_text(), re.S | re.M):
+            long += [f"{page.relative_to(ROOT)}: {line}" for line in fence.group(3).splitlines() if len(line) > CODE_LINE]
+    assert long == [], f"code lines over {CODE_LINE} characters:\n" + "\n".join(long)
+
+
+def test_no_docs_page_names_a_development_machines_folders():
+    """Pages and lab notes (not the raw results files under docs/results)."""
+    docs = ROOT / "docs"
+    pages = [page for page in sorted(docs.rglob("*.md")) if not page.relative_to(docs).as_posix().startswith("results/")]
+    found = [f"{page.relative_to(ROOT)}:{number}: {line.strip()[:120]}" for page in pages
+             for number, line in enumerate(page.read_text().splitlines(), 1) if MACHINE_PATH.search(line)]  # fmt: skip
+    assert found == [], "absolute folders of a development machine:\n" + "\n".join(found)
 
 
 @pytest.mark.slow

@@ -6,7 +6,9 @@ import contextlib
 import dataclasses
 import io
 import os
+import re
 import sys
+import textwrap
 
 from transformers import TrainingArguments
 
@@ -16,6 +18,7 @@ from transformers_specblock.commands.regenerate import RegenerateArguments
 from transformers_specblock.training import DataArguments, ModelArguments, SpecBlockTrainingArguments
 
 CARD = "python -m transformers_specblock.commands.card"
+WIDTH = 100  # characters per line of a code block on the site (tests/test_docs.py's CODE_LINE)
 
 
 def _default(field: dataclasses.Field) -> str:
@@ -45,10 +48,26 @@ def argument_table(cls: type, skip: type | None = None) -> str:
     return "\n".join(rows)
 
 
+def fit_line(line: str, width: int = WIDTH) -> list[str]:
+    """A help line folded at spaces to ``width``: an indented command goes on after a backslash, four spaces
+    further in; a comment as a comment; prose at the same indent."""
+    indent = re.match(r" *", line).group(0)
+    comment = line.lstrip().startswith("#")
+    command = bool(indent) and not comment
+    lines = []
+    while len(line) > width:
+        cut = line.rfind(" ", len(indent) + 1, width - (2 if command else 0))
+        if cut <= len(indent):
+            break
+        lines.append(line[:cut] + (" \\" if command else ""))
+        line = indent + ("    " if command else "# " if comment else "") + line[cut + 1:]
+    return lines + [line]
+
+
 def parser_help(name: str, main) -> str:
-    """The ``--help`` text of an argparse command, as ``name`` and at a fixed width."""
+    """The ``--help`` text of an argparse command, as ``name``, formatted and folded to WIDTH characters."""
     previous, argv0 = os.environ.get("COLUMNS"), sys.argv[0]
-    os.environ["COLUMNS"], sys.argv[0] = "110", name
+    os.environ["COLUMNS"], sys.argv[0] = str(WIDTH), name
     out = io.StringIO()
     try:
         with contextlib.redirect_stdout(out), contextlib.suppress(SystemExit):
@@ -59,7 +78,20 @@ def parser_help(name: str, main) -> str:
             os.environ.pop("COLUMNS")
         else:
             os.environ["COLUMNS"] = previous
-    return "```text\n" + out.getvalue().rstrip() + "\n```"
+    return "```text\n" + fit_text(out.getvalue().rstrip()) + "\n```"
+
+
+def fit_text(text: str, width: int = WIDTH) -> str:
+    """Help text folded to ``width``: a paragraph of unindented prose with a longer line is refilled, any other
+    line folded on its own (``fit_line``)."""
+    paragraphs = []
+    for paragraph in text.split("\n\n"):
+        lines = paragraph.splitlines()
+        if any(len(line) > width for line in lines) and not any(line.startswith(" ") for line in lines):
+            paragraphs.append(textwrap.fill(" ".join(lines), width, break_on_hyphens=False))
+        else:
+            paragraphs.append("\n".join(part for line in lines for part in fit_line(line, width)))
+    return "\n\n".join(paragraphs)
 
 
 def command_reference() -> str:
