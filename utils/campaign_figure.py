@@ -1,4 +1,4 @@
-"""docs/figures/campaign.svg and the status table of docs/training.md: the training campaign's held-out slot-0
+"""docs/figures/campaign.svg and the status table of docs/lab-notes/campaign.md: the training campaign's held-out slot-0
 accuracy per drafter, against its training tokens in total and against the campaign's CPU-hours, with the drafters it
 started from (the ones shipped before it) and the steps shipped now marked, read from docs/results/campaign
 (`examples/campaign_curve.py` appends the points, `shipped.json` holds the starting ones and the shipped steps). A run ``DRAFTER-from-step-N`` continued the committed

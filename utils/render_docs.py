@@ -80,6 +80,20 @@ CAMPAIGN_TAU = [  # (row label, folder under docs/results): the drafters shipped
     ("SpecBlock campaign step 6000 (5.23M tokens, 15.9 campaign CPU-h), reference construction, 1 block round grown "
      "best first", "campaign/tau-specblock-campaign-step6000-best-first"),
 ]  # fmt: skip
+TAU_BY_TOKENS = [  # the training guide's tau against training tokens (docs/training.md): (row label, folder)
+    ("EAGLE-3, 0.67M tokens (shipped before the campaign)", "campaign/tau-eagle3-shipped"),
+    ("EAGLE-3, 1.82M tokens (step 1310)", "campaign/tau-eagle3-campaign-step1310"),
+    ("EAGLE-3, 2.85M tokens (step 2500)", "campaign/tau-eagle3-campaign-step2500"),
+    ("EAGLE-3, 4.38M tokens (step 4250, shipped)", "campaign/tau-eagle3-campaign-step4250"),
+    ("EAGLE-3, 5.11M tokens (step 5080)", "campaign/tau-eagle3-campaign-step5080"),
+    ("SpecBlock, 0.34M tokens (shipped before the campaign; package trees, 2 block rounds)",
+     "campaign/tau-specblock-shipped"),
+    ("SpecBlock, 2.79M tokens (step 2810)", "campaign/tau-specblock-campaign-step2810-best-first"),
+    ("SpecBlock, 3.89M tokens (step 4480)", "campaign/tau-specblock-campaign-step4480-best-first"),
+    ("SpecBlock, 4.37M tokens (step 5010)", "campaign/tau-specblock-campaign-step5010-best-first"),
+    ("SpecBlock, 4.85M tokens (step 5560, shipped)", "campaign/tau-specblock-campaign-step5560-best-first"),
+    ("SpecBlock, 5.23M tokens (step 6000)", "campaign/tau-specblock-campaign-step6000-best-first"),
+]  # fmt: skip
 CAMPAIGN_STEP_TAU = {  # README under docs/results -> its generated tau tables: (row label, folder under docs/results)
     "docs/results/campaign/README.md": {
         "tau-step3310": [
@@ -391,7 +405,8 @@ SECTIONS = {
         "gpu-training": gpu_training,
     },
     "docs/reference/commands.md": {"commands": command_reference},
-    "docs/training.md": {
+    "docs/training.md": {"tau-by-tokens": lambda: tau_by_set(TAU_BY_TOKENS)},
+    "docs/lab-notes/campaign.md": {
         "campaign-status": lambda: campaign_status(RESULTS / "campaign"),
         "campaign-tau": lambda: tau_by_set(CAMPAIGN_TAU),
         "campaign-aims": lambda: campaign_aims(RESULTS / "campaign"),

@@ -1,5 +1,5 @@
-"""Tau tables of docs/training.md and docs/results/specblock-depth/README.md, read from the JSON the measuring scripts
-wrote: `examples/evaluate_drafter.py --tree_budget 8 16 32` (`eval_results.json`),
+"""Tau tables of docs/training.md, docs/lab-notes/campaign.md and docs/results/specblock-depth/README.md, read from
+the JSON the measuring scripts wrote: `examples/evaluate_drafter.py --tree_budget 8 16 32` (`eval_results.json`),
 `examples/experiments/tree_construction_tau.py` (its `summary`) and the best-first calibration's files. Every output
 behind a cell equals plain greedy."""
 
