@@ -1,6 +1,8 @@
 """The `tree_budget="auto"` chooser of a drafter serving a target: made once per (drafter, target, device, settings),
 kept in the drafter's serving state, and, with `auto_budget_cost_cache`, going on from what a chooser of the same
-drafter, target and host learnt in an earlier process (`autotune_cache`)."""
+drafter, target and host learnt in an earlier process (`autotune_cache`), once that is checked against the machine
+now: the stored cost curve by a probe (`target_cost.probe`), the learnt state by the plain step's seconds it was
+learnt with (`AutoBudget.restore`). What was learnt while the machine was busier starts afresh."""
 
 from __future__ import annotations
 
@@ -41,7 +43,8 @@ def auto_budget_for(drafter: TreeDraftModel, target: PreTrainedModel) -> AutoBud
                 weak_target(), sizes, BATCH_CONTEXT, batch_size=batch_size, cache_dir=cache_dir
             ),
         )  # fmt: skip
-        if cache_dir is not None:  # go on from what a chooser of the same drafter, target and host learnt before
+        if cache_dir is not None:  # go on from what a chooser of the same drafter, target and host learnt before,
+            # unless it was learnt on a busier machine (`AutoBudget.restore`); the next save replaces it
             chooser.state_path = cache_dir / "auto-budget" / f"{chooser_key(drafter, target, key)}.json"
             chooser.restore(read_json(chooser.state_path))
         state.auto_budgets[key] = chooser

@@ -22,6 +22,13 @@ pruning order with the most expected tokens per second (a node's exp(path score)
 Budget 0 means "do not speculate": the target decodes one token per forward and the drafter is not run (tau = 1, no
 drafting time). It wins where no tree pays for its drafting and verification, e.g. a weak drafter on a CPU; the
 exploring steps keep measuring larger budgets, so the drafter comes back when its trees start to pay.
+
+What a chooser learnt can be kept for the next process (`auto_choosers`, `autotune_cache`); its step times are the
+machine's of that moment, so a state is saved with the plain step's seconds the machine showed then
+(`TargetCost.plain_seconds_now`: the probe of the stored cost curve, or the curve just timed) and is not restored where
+the machine now runs a plain step more than `PERSISTED_TOLERANCE` times faster (it was learnt while other work
+shared the cores: its slow drafted steps would keep the chooser from drafting), nor where it does not say (saved by a
+version that did not record it). The chooser then starts as a new one does, with a warm-up.
 """
 
 from __future__ import annotations
@@ -38,7 +45,7 @@ from ..models.tree_drafter.generation_config import (
     DEFAULT_WARMUP_COST,
 )
 from ..utils import RecentMean
-from .target_cost import TargetCost, batch_bucket
+from .target_cost import PERSISTED_TOLERANCE, TargetCost, batch_bucket
 from .lookup import FreeShadow
 from .tree import DraftTree, HostTree
 
@@ -155,10 +162,20 @@ class AutoBudget:
             value = getattr(self, name)
             means[name] = {str(b): m.to_dict() for b, m in value.items()} if isinstance(value, dict) else value.to_dict()
         pairs = {name: RecentMean.pairs_to_json(getattr(self, name)) for name in ("step_overhead", "step_time")}
-        return {**{name: getattr(self, name) for name in LEARNT_COUNTERS}, "means": means, **pairs}
+        counters = {name: getattr(self, name) for name in LEARNT_COUNTERS}
+        return {**counters, "means": means, **pairs, "plain_step_seconds": self.plain_seconds_now()}
 
-    def restore(self, state: dict[str, Any]) -> None:
-        """Go on from a `learnt_state` (of a chooser with the same candidates); an empty or foreign one is ignored."""
+    def plain_seconds_now(self) -> float:
+        """A plain step's seconds (one row) as this process timed the machine (`TargetCost.plain_seconds_now`)."""
+        return self.batch_costs.get(1, self.cost).plain_seconds_now()
+
+    def restore(self, state: dict[str, Any]) -> bool:
+        """Go on from a `learnt_state` (of a chooser with the same candidates); an empty or foreign one is ignored,
+        and so is one learnt on a machine more than `PERSISTED_TOLERANCE` times slower than this one is now (by its
+        `plain_step_seconds`; one that does not say is not trusted either). Returns whether the state was restored."""
+        learnt_on = state.get("plain_step_seconds")
+        if not isinstance(learnt_on, (int, float)) or learnt_on > PERSISTED_TOLERANCE * self.plain_seconds_now():
+            return False
         try:
             means = {
                 name: {int(b): RecentMean.from_dict(m) for b, m in value.items()} if name in ("tau", "size")
@@ -168,13 +185,14 @@ class AutoBudget:
             overhead, taken = (RecentMean.pairs_from_json(state[name]) for name in ("step_overhead", "step_time"))
             counters = {name: int(state[name]) for name in LEARNT_COUNTERS}
         except (KeyError, TypeError, ValueError, AttributeError):
-            return
+            return False
         if set(means.get("tau", {})) != set(self.tau):
-            return
+            return False
         for name, value in {**counters, **means}.items():
             if name in LEARNT_COUNTERS or name in LEARNT_MEANS:  # (a state saved by another version may hold more)
                 setattr(self, name, value)
         self.step_overhead, self.step_time = overhead, taken
+        return True
 
     def set_batch_size(self, live_rows: int) -> None:
         """Choose for `live_rows` rows verified together: their bucket's cost curve, drafting paid per row. The first
