@@ -652,3 +652,54 @@ def test_native_loading_binds_a_given_target(target, tmp_path):
     loaded = Eagle3DraftModel.from_pretrained(tmp_path, target=target)
     assert loaded.target_embedding is target.get_input_embeddings()
     assert_same_weights(native, loaded)
+
+
+# ------------------------------------------------------------------------------------------ older native checkpoints
+def test_an_older_checkpoint_with_records_in_config_json_loads_and_moves_them_out(tmp_path, caplog, recwarn):
+    """Checkpoints written before config.json held the architecture only kept the run's record (`training_info`,
+    with its nested `started_from` chain), the evaluation rows and training settings (EAGLE-3's `ttt_steps`) in
+    config.json: they load as before (no warning about any of them), the settings are the config's, the rest is its
+    training record; saved again, config.json holds the architecture only and `training_record.json` the rest, with
+    no folder of the machine that wrote it."""
+    import logging
+
+    from transformers_specblock.hub.provenance import absolute_paths_in
+
+    target = make_target("llama")
+    old = tmp_path / "old"
+    Eagle3DraftModel.from_target(target, tree_budget=8).save_pretrained(old)
+    config = json.loads((old / "config.json").read_text())
+    earlier = {"command": "specblock-train --output_dir /home/someone/runs/first", "train_tokens": 10}
+    legacy = {
+        "training_info": {"command": "specblock-train --init_drafter /home/someone/runs/first", "train_tokens": 20,
+                          "total_train_tokens": 30, "started_from": {"drafter": "/home/someone/runs/first", **earlier}},
+        "eval_results": [{"dataset": "mt_bench", "tau": 1.7, "tree_budget": 8}],
+        "ttt_steps": 3, "ttt_decay": 0.7,
+    }  # fmt: skip
+    (old / "config.json").write_text(json.dumps({**config, **legacy}))
+    (old / "training_record.json").unlink(missing_ok=True)
+    caplog.set_level(logging.INFO)
+    drafter = Eagle3DraftModel.from_pretrained(old)
+    moved = ("training_info", "eval_results", "ttt_steps", "ttt_decay")
+    said = [str(w.message) for w in recwarn] + [r.getMessage() for r in caplog.records]
+    assert not [m for m in said if any(key in m for key in moved)], said
+    assert (drafter.config.ttt_steps, drafter.config.ttt_decay) == (3, 0.7)  # training reads them unless told otherwise
+    assert drafter.config.training_info["started_from"]["train_tokens"] == 10
+    assert drafter.config.eval_results == legacy["eval_results"]
+    assert not set(json.loads(drafter.config.to_json_string())) & set(moved)
+
+    new = tmp_path / "new"
+    drafter.save_pretrained(new)
+    assert not set(json.loads((new / "config.json").read_text())) & set(moved)
+    record = json.loads((new / "training_record.json").read_text())
+    assert record["training_settings"] == {"ttt_steps": 3, "ttt_decay": 0.7}
+    assert record["evaluation"] == legacy["eval_results"] and record["training"]["total_train_tokens"] == 30
+    assert record["training"]["started_from"]["drafter"] == "<local>:runs/first"
+    assert absolute_paths_in(record) == [] and "/home/" not in (new / "training_record.json").read_text()
+    again = Eagle3DraftModel.from_pretrained(new)  # the new layout round-trips
+    assert again.config.training_record == {k: v for k, v in record.items() if k != "about"}
+    assert (again.config.ttt_steps, again.config.ttt_decay) == (3, 0.7) and again.config.eval_results[0]["tau"] == 1.7
+    # a drafter that has no record writes no record file
+    plain = tmp_path / "plain"
+    Eagle3DraftModel.from_target(target, tree_budget=8).save_pretrained(plain)
+    assert not (plain / "training_record.json").exists()

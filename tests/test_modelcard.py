@@ -1,7 +1,8 @@
 """Model cards come from records the code writes when things happen: the license given at training, the base
 model's recorded Hub id (never a local path), the hardware detected at training time, the data source read from
-the data itself, every training session; and the shipped cards are exactly what the generator makes of their
-config."""
+the data itself, every training session (kept in the training record, ``training_record.json``, next to the
+weights: config.json holds the architecture only); the shipped cards are exactly what the generator makes of their
+config and record, and every figure in a card's metadata is read from a results file and names its setting."""
 
 from __future__ import annotations
 
@@ -19,7 +20,14 @@ from transformers_specblock.commands.card import card_for_folder
 from transformers_specblock.commands.card import main as card_main
 from transformers_specblock.commands.cli import train_main
 from transformers_specblock.hub import provenance
-from transformers_specblock.hub.provenance import describe_device, describe_hardware, resolve_base_model_id
+from transformers_specblock.hub.modelcard import CARD_MARKER, is_generated_card
+from transformers_specblock.hub.provenance import (
+    absolute_paths_in,
+    describe_device,
+    describe_hardware,
+    resolve_base_model_id,
+    scrub_paths,
+)
 from transformers_specblock.training.data import REGENERATED_KEY, describe_training_data, regeneration_record
 from transformers_specblock.training.records import checkpoint_training_info, parse_train_command
 
@@ -37,9 +45,20 @@ def ws(tmp_path_factory):
     return {"root": root, "target": str(root / "target"), "data": str(write_conversations(root / "chats.jsonl", 8))}
 
 
+def record_of(folder: Path) -> dict:
+    return json.loads((folder / "training_record.json").read_text())
+
+
 def train(ws, out, *extra):
+    """(card, record): the model card and the training record (plus the config's base_model_id) of a 1-step run."""
     train_main(common_args(ws, out, "--max_steps", "1", *extra))
-    return ModelCard.load(out / "README.md"), json.loads((out / "config.json").read_text())
+    config = json.loads((out / "config.json").read_text())
+    assert "training_info" not in config and "eval_results" not in config  # the architecture only
+    record = record_of(out)
+    return ModelCard.load(out / "README.md"), {
+        "training_info": record["training"], "eval_results": record.get("evaluation", []),
+        "base_model_id": config["base_model_id"],
+    }  # fmt: skip
 
 
 def yaml_of(card: ModelCard) -> str:
@@ -55,12 +74,11 @@ def test_license_is_the_one_given_at_training_and_survives_a_resume(ws):
     # a resume without --license keeps it, and the card lists both sessions with their own commands
     args = common_args(ws, out, "--max_steps", "2", "--resume_from_checkpoint", str(out / "checkpoint-1"))
     train_main(args)
-    card, config = ModelCard.load(out / "README.md"), json.loads((out / "config.json").read_text())
-    info = config["training_info"]
+    card, info = ModelCard.load(out / "README.md"), record_of(out)["training"]
     assert card.data.license == "mit"
     assert [s["steps"] for s in info["sessions"]] == ["0-1", "1-2"]
     assert "--license mit" in info["sessions"][0]["command"] and "--resume_from_checkpoint" in info["command"]
-    assert info["train_steps"] == 2 and "session 2: steps 1-2" in card.text
+    assert info["train_steps"] == 2 and "over 1 runs" not in card.text and "2 optimizer steps" in card.text
 
 
 def test_time_up_to_a_checkpoint_counts_after_a_resume(ws):
@@ -74,7 +92,7 @@ def test_time_up_to_a_checkpoint_counts_after_a_resume(ws):
     train_main(common_args(ws, out, "--max_steps", "2", *extra, "--resume_from_checkpoint", str(out / "checkpoint-1")))
     total = json.loads((out / "all_results.json").read_text())["train_seconds"]
     assert total >= before[-1]
-    info = json.loads((out / "config.json").read_text())["training_info"]
+    info = record_of(out)["training"]
     assert info["train_time_minutes"] == round(total / 60, 1) and info["train_steps"] == 2
 
 
@@ -84,25 +102,27 @@ def test_a_continued_drafter_keeps_its_record_and_settings_and_drops_the_old_eva
     record the finished run writes (what a drafter published while its run goes on carries)."""
     first = ws["root"] / "first"
     train(ws, first)
-    config = json.loads((first / "config.json").read_text())
-    config["eval_results"] = [{"dataset": "mt_bench", "tau": 9.99}]  # as if measured
-    (first / "config.json").write_text(json.dumps(config))
+    record = record_of(first)
+    record["evaluation"] = [{"dataset": "mt_bench", "tau": 9.99}]  # as if measured
+    (first / "training_record.json").write_text(json.dumps(record))
     settings = json.loads((first / "generation_config.json").read_text())
     settings["prompt_lookup_num_tokens"] = 7  # its own decoding settings, not the defaults
     (first / "generation_config.json").write_text(json.dumps(settings))
     out = ws["root"] / "continued"
     card, config = train(ws, out, "--init_drafter", str(first), "--save_strategy", "steps", "--save_steps", "1")
     info, earlier = config["training_info"], config["training_info"]["started_from"]
-    assert earlier["drafter"] == str(first) and earlier["train_steps"] == 1 and "started_from" not in earlier
+    # the record names no folder of this machine: the drafter a run started from by its last two path components
+    assert earlier["drafter"] == f"<local>:{first.parent.name}/{first.name}" and str(ws["root"]) not in str(info)
+    assert earlier["train_steps"] == 1 and "started_from" not in earlier
     assert info["total_train_tokens"] == info["train_tokens"] + earlier["train_tokens"] > info["train_tokens"]
     assert info["train_cpu_minutes"] >= 0 and not config["eval_results"]
     assert json.loads((out / "generation_config.json").read_text())["prompt_lookup_num_tokens"] == 7
-    assert f"- started from the drafter `{first}`, trained before as follows:" in card.text
-    assert card.text.count(f"--output_dir {first}") == 1  # the earlier run's command, once
+    assert "over 2 runs, each continuing the one before; 2 optimizer steps" in card.text
+    assert str(first) not in card.text and "--output_dir" not in card.text  # commands stay in the record
     assert "9.99" not in card.text and "_No evaluation recorded yet._" in card.text
     from_checkpoint = checkpoint_training_info(out / "checkpoint-1")
     for key in ("command", "data", "hardware", "train_tokens", "train_steps", "total_train_tokens", "started_from"):
-        assert from_checkpoint[key] == info[key], key
+        assert scrub_paths(from_checkpoint[key]) == info[key], key
     model_args, data_args, _ = parse_train_command(from_checkpoint["command"])
     assert model_args.init_drafter == str(first) and data_args.dataset == ws["data"]
 
@@ -117,8 +137,8 @@ def test_no_license_field_without_the_argument(ws):
 def test_base_model_is_a_recorded_hub_id_never_a_local_path(ws):
     card, config = train(ws, ws["root"] / "local")  # a local folder that records no Hub id
     assert card.data.base_model is None and config["base_model_id"] is None
-    before_training = card.text.split("## Training")[0]  # the recorded command may name local paths; nothing else
-    assert ws["target"] not in before_training and str(ws["root"]) not in yaml_of(card)
+    assert ws["target"] not in card.text and str(ws["root"]) not in card.text  # no local path anywhere in the card
+    assert absolute_paths_in(record_of(ws["root"] / "local")) == []  # nor in the record
     card, config = train(ws, ws["root"] / "explicit", "--base_model_id", "org/tiny-llama")
     assert card.data.base_model == "org/tiny-llama" and config["base_model_id"] == "org/tiny-llama"
     assert 'target_id = "org/tiny-llama"' in card.text and 'dtype=dtype, device_map="auto"' in card.text
@@ -237,17 +257,33 @@ def test_shipped_cards_are_what_the_generator_makes_of_their_config(tmp_path):
         assert (folder / "README.md").read_text(encoding="utf-8") == generated, (
             f"{folder}/README.md is not the generated card: run python -m transformers_specblock.commands.card {folder}"
         )
-        config = json.loads((folder / "config.json").read_text())
-        info = config["training_info"]
+        config, record = json.loads((folder / "config.json").read_text()), record_of(folder)
+        info, evaluation = record["training"], record["evaluation"]
         assert config["base_model_id"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
         assert "license" not in info  # none was given at training
-        assert all(row["hardware"].endswith("; target float32, drafter float32") for row in config["eval_results"])
         assert "backfilled" not in info and "backfilled" not in generated  # records complete
+        assert len(generated) < 20_000 and "```bash" not in generated  # commands and the chain stay in the record
+        # the target exactly as trained and measured: the packaged Q4_1 GGUF dequantized, not the Hub's weights
+        assert "the Q4_1 GGUF `SmolLM2-135M-Instruct.Q4_1.gguf`" in generated and "dequantized" in generated
+        assert 'load_packaged_model("smollm2-135m-instruct"' in generated
+        assert f'.from_pretrained("{folder.name}")' in generated  # the one usage snippet loads it by its name
+        # results as shipped, in the host's fast dtype, then the drafter alone, each row naming its setting
+        shipped = [row for row in evaluation if row["kind"] == "as_shipped"]
+        alone = [row for row in evaluation if row["kind"] == "drafter_alone"]
+        assert {row["dataset"] for row in shipped} == {"humaneval", "mt_bench"} and len(shipped) + len(alone) == len(
+            evaluation
+        )
+        assert all(row["setting"].startswith("as shipped: bfloat16") for row in shipped)
+        assert all(row["hardware"].endswith("; target float32, drafter float32") for row in alone)
+        assert all(row["setting"].startswith("drafter alone: float32, free candidates off, fixed tree_budget")
+                   for row in alone)  # fmt: skip
+        assert {row["tree_budget"] for row in alone} == {8, 16, 32} and all(r["free_candidates"] == "off" for r in alone)
+        assert generated.index("### As shipped") < generated.index("### The drafter alone")
+        assert "## Limitations" in generated and "## Training" in generated
         if folder.name.startswith("dflash"):  # one run on a GPU, on the target's own answers and ShareGPT's
             assert "H200" in info["hardware"] and "sessions" not in info and info["train_tokens"] == 13225831
             assert "3,456 answers regenerated by the target itself" in info["data"] and info["self_distilled"] is False
-            assert {row["tree_budget"] for row in config["eval_results"]} == {8, 16, 32}  # the drafter alone
-            assert all(row["free_candidates"] == "off" for row in config["eval_results"])
+            assert "13.23M training tokens" in generated
             continue
         kind = folder.name.split("-")[0]
         # the campaign (ShareGPT's and the target's answers; bfloat16 autocast on hosts with native bfloat16, float32
@@ -265,29 +301,88 @@ def test_shipped_cards_are_what_the_generator_makes_of_their_config(tmp_path):
             assert "answers regenerated by the target itself" in run["data"]
             precision = "(bf16 mixed precision)" if "avx512_bf16" in run["hardware"] else "drafter float32"
             assert run["hardware"].endswith(precision)
-        assert {row["tree_budget"] for row in config["eval_results"]} == {8, 16, 32}  # the drafter alone
-        assert all(row["free_candidates"] == "off" for row in config["eval_results"])
-        assert f"started from the drafter `{kind}-smollm2-135m-instruct`" in generated
+        assert runs[-1]["started_from"]["drafter"] == f"{kind}-smollm2-135m-instruct"
+        total = record["training"]["total_train_tokens"]
+        assert f"{total / 1e6:.2f}M training tokens over {len(runs) + 1} runs" in generated
+        assert "CPU-hours" in generated and "avx512_bf16" in generated  # time and hardware
         if kind == "specblock":  # the reference implementation's trees, one block round, grown best first
             settings = json.loads((folder / "generation_config.json").read_text())
             assert settings["max_blocks"] == 1 and settings["tree_construction"] == "reference"
             assert settings["block_expansion"] == "best_first"
             assert '"tree_construction": "reference", "max_blocks": 1, "block_expansion": "best_first"' in generated
-            assert all(row["block_expansion"] == "best_first" for row in config["eval_results"])
+            assert all(row["block_expansion"] == "best_first" for row in alone)
+            assert record["training_settings"] == {"fusion_identity_init": True}
+        else:
+            assert record["training_settings"] == {"ttt_steps": 7, "ttt_decay": 0.8}
         # the drafters shipped before the campaign: trained on this CPU at equal compute on ShareGPT's own answers,
-        # resumed over several sessions, every session in the card
+        # resumed over several sessions, every session in the record
         assert info["self_distilled"] is False and "NOT responses regenerated" in info["data"]
         sessions, last = SHIPPED_SESSIONS[kind]
-        assert len(info["sessions"]) == sessions and last in generated
+        assert len(info["sessions"]) == sessions and info["sessions"][-1]["steps"] == last.split()[-1]
     assert card_main(["--check", *map(str, folders)]) == 0
     # --check notices a hand edit
     copy = tmp_path / "copy"
     copy.mkdir()
-    for name in ("config.json", "model.safetensors", "README.md"):
+    for name in ("config.json", "model.safetensors", "README.md", "training_record.json"):
         (copy / name).write_bytes((folders[0] / name).read_bytes())
     (copy / "README.md").write_text((copy / "README.md").read_text() + "\nedited by hand\n")
     assert card_main(["--check", str(copy)]) == 1
     assert card_main([str(copy)]) == 0 and card_main(["--check", str(copy)]) == 0
+
+
+def _figure_in_results_file(path: Path, metric: str, dataset: str, setting: str) -> float:
+    """The drafter-alone figure a card's metadata names, read from the eval_results.json it names: the row of that
+    prompt set and fixed budget, measured without free candidates."""
+    budget = int(setting.split("fixed tree_budget ")[1].split(",")[0])
+    (row,) = [r for r in json.loads(path.read_text()) if r["dataset"] == dataset and r["tree_budget"] == budget]
+    assert row["free_candidates"] == "off" and "free candidates off" in setting
+    assert "float32" in setting and row["hardware"].endswith("target float32, drafter float32")
+    return row[metric]
+
+
+def test_every_figure_in_a_shipped_cards_metadata_matches_a_results_file_and_names_its_setting():
+    method_of = {"specblock": "specblock", "eagle3": "eagle3", "dflash": "dflash"}
+    for folder in shipped_folders():
+        card = ModelCard.load(folder / "README.md")
+        results = card.data.eval_results
+        assert results, folder
+        kinds, shipped_speedups = set(), []
+        for result in results:
+            name, setting = result.metric_name.split(", ", 1)
+            kind = "as shipped" if setting.startswith("as shipped: ") else "drafter alone"
+            assert setting.startswith(("as shipped: ", "drafter alone: ")), result.metric_name
+            kinds.add(kind)
+            assert result.metric_type in ("speedup_vs_plain", "tau")
+            assert ("speed-up" in name) == (result.metric_type == "speedup_vs_plain")
+            path = ROOT / result.metric_config
+            assert path.is_file() and result.metric_config.startswith("docs/results/"), result.metric_config
+            data = json.loads(path.read_text())
+            if kind == "as shipped":  # the README's glance table: the drafter as shipped, in bfloat16
+                assert data["settings"]["dataset"] == result.dataset_type and data["settings"]["dtype"] == "bfloat16"
+                assert setting.startswith("as shipped: bfloat16") and 'tree_budget "auto", free candidates on' in setting
+                run = data["settings"]
+                assert f"{run['num_prompts']} prompts x {run['max_new_tokens']} new tokens" in setting
+                measured = data["methods"][method_of[folder.name.split("-")[0]]]
+                expected = measured["speedup" if result.metric_type == "speedup_vs_plain" else "tau"]
+                if result.metric_type == "speedup_vs_plain":
+                    shipped_speedups.append(expected)
+            else:
+                expected = _figure_in_results_file(path, result.metric_type, result.dataset_type, setting)
+            assert result.metric_value == pytest.approx(expected, abs=5e-4), (folder.name, result.metric_name)
+        assert kinds == {"as shipped", "drafter alone"}
+        # the as-shipped speed-ups are the README glance table's bfloat16 column
+        glance = (ROOT / "README.md").read_text()
+        label = {"specblock": "SpecBlock", "eagle3": "EAGLE-3", "dflash": "DFlash"}[folder.name.split("-")[0]]
+        line = next(line for line in glance.splitlines() if line.startswith(f"| {label} |"))
+        assert len(shipped_speedups) == 2 and all(f"{value:.2f}x" in line for value in shipped_speedups), line
+
+
+def test_a_record_without_a_results_file_gets_no_metadata_figure(tmp_path):
+    drafter = make_drafter(make_target("llama"))
+    drafter.config.eval_results = [{"dataset": "mt_bench", "tau": 1.5}]  # no kind, no setting: listed, not in metadata
+    drafter.save_pretrained(tmp_path)
+    card = ModelCard.load(tmp_path / "README.md")
+    assert not card.data.eval_results and "### Other measurements" in card.text and "| mt_bench | 1.5 |" in card.text
 
 
 def test_saved_card_equals_the_folder_card(tmp_path):
@@ -311,3 +406,27 @@ def test_the_card_lists_the_decoding_settings_that_differ_from_the_defaults(tmp_
     card = (tmp_path / "changed" / "README.md").read_text()
     assert '{"tree_budget": 16, "tree_construction": "reference"}' in card
     assert card == str(card_for_folder(tmp_path / "changed"))  # read back from generation_config.json
+
+
+# ------------------------------------------------------------------------------------------------ the user's README
+def test_save_pretrained_keeps_a_readme_the_user_wrote(tmp_path):
+    """issue 61, bug 4: a README.md the package did not generate survives save_pretrained (and the card command
+    without --force); a generated card is replaced as before."""
+    drafter = make_drafter(make_target("llama"))
+    drafter.save_pretrained(tmp_path)
+    generated = (tmp_path / "README.md").read_text()
+    assert CARD_MARKER in generated
+    drafter.config.eval_results = [{"dataset": "mt_bench", "tau": 1.5}]
+    drafter.save_pretrained(tmp_path)  # a generated card is regenerated
+    assert (tmp_path / "README.md").read_text() != generated and "| mt_bench | 1.5 |" in (tmp_path / "README.md").read_text()
+    mine = "# My drafter\n\nNotes I wrote myself.\n"
+    (tmp_path / "README.md").write_text(mine)
+    drafter.save_pretrained(tmp_path)
+    assert (tmp_path / "README.md").read_text() == mine
+    assert SpecBlockDraftModel.from_pretrained(tmp_path).config.eval_results[0]["tau"] == 1.5  # the rest is saved
+    assert card_main([str(tmp_path)]) == 0 and (tmp_path / "README.md").read_text() == mine
+    assert card_main(["--force", str(tmp_path)]) == 0 and CARD_MARKER in (tmp_path / "README.md").read_text()
+    # a card of an older release (before the marker) counts as generated
+    old = (ROOT / "tests" / "reference" / "fixtures").glob("*/README.md")
+    assert is_generated_card("# SpecBlockDraftModel for x\n\nA drafter, made with\n`transformers-specblock`. It reads three")
+    assert not is_generated_card(mine) and not list(old)

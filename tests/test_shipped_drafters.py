@@ -100,3 +100,64 @@ def test_bench_says_when_a_training_folder_holds_no_drafter_yet(tmp_path):
     args = BenchArguments(target_model="smollm2-135m-instruct", methods="specblock", specblock_model=str(tmp_path))
     with pytest.raises(FileNotFoundError, match=r"no config.json.*checkpoint-100"):
         build_methods(args, None)
+
+
+# config.json is the architecture only, as LlamaConfig's: every key a shipped drafter's config.json may hold, by family
+COMMON_CONFIG_KEYS = {
+    # PretrainedConfig's own
+    "architectures", "model_type", "dtype", "transformers_version", "bos_token_id", "eos_token_id", "pad_token_id",
+    "tie_word_embeddings", "initializer_range",
+    # the target the drafter reads: its sizes, feature layers, and (as PEFT's base_model_name_or_path) its name
+    "vocab_size", "target_hidden_size", "target_num_hidden_layers", "target_layer_ids", "target_model_type",
+    "target_name_or_path", "base_model_id",
+    # the drafter's own Llama-style layers and draft vocabulary
+    "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
+    "hidden_act", "rms_norm_eps", "rope_parameters", "max_position_embeddings", "attention_bias", "attention_dropout",
+    "mlp_bias", "draft_vocab_size",
+}  # fmt: skip
+ARCHITECTURE_KEYS = {
+    SPECBLOCK: COMMON_CONFIG_KEYS | {"block_size", "rank_bucket_upper_bounds", "prefill_chunk_size",
+                                     "rank_head_hidden_size", "rank_head_bias", "rank_feature_top_k",
+                                     "rank_top1_over_vocab", "followup_positions"},  # fmt: skip
+    EAGLE3: COMMON_CONFIG_KEYS | {"own_token_embedding", "norm_before_residual", "fc_norm", "norm_output"},
+    DFLASH: COMMON_CONFIG_KEYS | {"block_size", "mask_token_id", "layer_types"},
+}
+NOT_ARCHITECTURE = {"training_info", "eval_results", "ttt_steps", "ttt_decay", "loss_decay_gamma", "num_anchors",
+                    "fusion_identity_init"}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", [SPECBLOCK, EAGLE3, DFLASH])
+def test_shipped_config_json_holds_architecture_keys_only(name):
+    """Provenance, evaluation and training settings live in training_record.json; config.json stays small."""
+    import json
+
+    folder = shipped_drafter_path(name)
+    config = json.loads((folder / "config.json").read_text())
+    assert set(config) <= ARCHITECTURE_KEYS[name], sorted(set(config) - ARCHITECTURE_KEYS[name])
+    assert not set(config) & NOT_ARCHITECTURE
+    assert (folder / "config.json").stat().st_size < 2000
+    record = json.loads((folder / "training_record.json").read_text())
+    assert record["training"]["train_tokens"] > 0 and record["evaluation"]
+    assert set(record["training_settings"]) <= NOT_ARCHITECTURE
+    # what was moved out is still there for the code that reads it
+    drafter = {SPECBLOCK: SpecBlockDraftModel, EAGLE3: Eagle3DraftModel, DFLASH: DFlashDraftModel}[name].from_pretrained(name)
+    assert drafter.config.training_info == record["training"]
+    for setting, value in record["training_settings"].items():
+        assert getattr(drafter.config, setting) == value
+    assert json.loads(drafter.config.to_json_string()).keys() <= ARCHITECTURE_KEYS[name]
+
+
+ABSOLUTE = ("/work/", "/root/", "/tmp/", "/home/", "/Users/", "/mnt/", "/data/", "/scratch/", "/opt/", "/var/")
+
+
+def test_no_absolute_path_in_any_shipped_file():
+    """No folder of a development machine in a shipped card, config or record (the package ships them)."""
+    from transformers_specblock.hub.provenance import absolute_paths_in
+
+    for name in SHIPPED_DRAFTERS:
+        for path in shipped_drafter_path(name).iterdir():
+            if path.suffix not in (".json", ".md"):
+                continue
+            text = path.read_text(encoding="utf-8")
+            assert not [marker for marker in ABSOLUTE if marker in text], path
+            assert absolute_paths_in(text) == [], (path, absolute_paths_in(text)[:3])

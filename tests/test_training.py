@@ -414,7 +414,7 @@ def test_resume_from_checkpoint_matches_uninterrupted_run(workspace):
     assert results[1]["train_tokens"] == results[0]["train_tokens"] > 0
     earlier = json.loads((resumed / "checkpoint-2" / "trainer_state.json").read_text())["log_history"][-1]
     assert 0 < earlier["train_seconds"] <= results[1]["train_seconds"]
-    card_info = json.loads((resumed / "config.json").read_text())["training_info"]
+    card_info = json.loads((resumed / "training_record.json").read_text())["training"]
     assert card_info["train_tokens"] == results[0]["train_tokens"] and card_info["train_steps"] == 4
     assert json.loads((resumed / "trainer_state.json").read_text())["global_step"] == 4
     a, b = load_file(full / "model.safetensors"), load_file(resumed / "model.safetensors")
@@ -598,4 +598,5 @@ def test_cli_trains_eagle3_and_records_model_card(workspace):
     assert drafter.config.ttt_steps == 3 and drafter.config.architectures == ["Eagle3DraftModel"]
     card = ModelCard.load(out / "README.md")
     assert card.data.pipeline_tag == "text-generation" and "speculative-decoding" in card.data.tags
-    assert "specblock-train" in card.text and "--drafter eagle3" in card.text
+    command = json.loads((out / "training_record.json").read_text())["training"]["command"]  # provenance: the record
+    assert "specblock-train" in command and "--drafter eagle3" in command and "training_record.json" in card.text

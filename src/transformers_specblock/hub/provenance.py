@@ -2,6 +2,12 @@
 
 * `resolve_base_model_id`: the Hub id of a target model, or None; never a local path.
 * `describe_hardware`: the machine and the torch dtypes a run actually used (CPU model and cores, or GPU name).
+* the training record (``training_record.json`` next to a drafter's weights, `load_training_record` /
+  `save_training_record`): where the weights came from (the chain of runs and their commands, data, tokens, time,
+  hardware), the settings they were trained with and what they measured, each row naming its setting and results
+  file. config.json holds the architecture only; the model card summarises the record.
+* `scrub_paths`: a record never names a folder of the machine it was made on (``/home/me/runs/out`` becomes
+  ``<local>:runs/out``).
 """
 
 from __future__ import annotations
@@ -12,13 +18,117 @@ import platform
 import re
 from pathlib import Path
 
+from typing import Any
+
 import torch
 from huggingface_hub.errors import HFValidationError
 from huggingface_hub.utils import validate_repo_id
 
 from .assets import PACKAGED_MODELS, default_cache_dir
 
-__all__ = ["describe_device", "describe_hardware", "is_hub_id", "resolve_base_model_id"]
+__all__ = [
+    "TRAINING_RECORD_NAME",
+    "absolute_paths_in",
+    "describe_device",
+    "describe_hardware",
+    "is_hub_id",
+    "load_training_record",
+    "resolve_base_model_id",
+    "save_training_record",
+    "scrub_paths",
+]
+
+TRAINING_RECORD_NAME = "training_record.json"
+"""The file next to a drafter's weights that holds its training record."""
+
+RECORD_ABOUT = (
+    "How these drafter weights were trained and measured (transformers-specblock): 'training' is the run that wrote "
+    "them, with the record of the drafter it started from nested under 'started_from'; 'training_settings' the "
+    "training settings that are not architecture; 'evaluation' what the weights measured, each row naming its "
+    "setting and its results file. config.json holds the architecture only; README.md summarises this record."
+)
+
+_ABSOLUTE_PATH = re.compile(r"(?<![\w.:/~-])(?:~|[A-Za-z]:)?/(?:[\w.@+~-]+/)*[\w.@+~-]+/?")
+"""An absolute POSIX path (or ``~/...``, ``C:/...``) not inside a URL or an ``owner/name`` id."""
+
+
+def _is_path(text: str) -> bool:
+    return text.count("/") >= 2 or text.startswith("~")  # "/x" alone is too likely a ratio or a unit ("tokens/s")
+
+
+def absolute_paths_in(value: Any) -> list[str]:
+    """Every absolute path named anywhere in `value` (strings, and lists / dicts of them, keys included)."""
+    if isinstance(value, str):
+        return [m.group(0) for m in _ABSOLUTE_PATH.finditer(value) if _is_path(m.group(0))]
+    if isinstance(value, dict):
+        return [p for k, v in value.items() for p in absolute_paths_in(k) + absolute_paths_in(v)]
+    if isinstance(value, (list, tuple)):
+        return [p for v in value for p in absolute_paths_in(v)]
+    return []
+
+
+def scrub_paths(value: Any) -> Any:
+    """`value` with every absolute path replaced by ``<local>:`` and its last two components (a folder of the
+    machine a run was made on says nothing to a reader and names its user); lists and dicts are scrubbed deeply."""
+    if isinstance(value, str):
+
+        def short(match: re.Match) -> str:
+            path = match.group(0)
+            if not _is_path(path):
+                return path
+            parts = [p for p in path.rstrip("/").split("/") if p and p not in ("~",) and not p.endswith(":")]
+            return "<local>:" + "/".join(parts[-2:])
+
+        return _ABSOLUTE_PATH.sub(short, value)
+    if isinstance(value, dict):
+        return {scrub_paths(k): scrub_paths(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [scrub_paths(v) for v in value]
+    return value
+
+
+def load_training_record(
+    name_or_path: str | os.PathLike, subfolder: str = "", **hub_kwargs: Any
+) -> dict[str, Any] | None:
+    """The training record saved next to a drafter (a local folder, or a Hub repository through the cache), or
+    None where there is none."""
+    folder = Path(name_or_path) / subfolder
+    if folder.is_dir():
+        path: str | Path | None = folder / TRAINING_RECORD_NAME
+        if not Path(path).is_file():
+            return None
+    elif os.path.exists(name_or_path):  # a file, not a folder
+        return None
+    else:
+        from transformers.utils import cached_file
+
+        try:
+            path = cached_file(
+                str(name_or_path), TRAINING_RECORD_NAME, subfolder=subfolder,
+                _raise_exceptions_for_missing_entries=False, _raise_exceptions_for_connection_errors=False,
+                **hub_kwargs,
+            )  # fmt: skip
+        except (OSError, ValueError):
+            return None
+        if path is None:
+            return None
+    with open(path, encoding="utf-8") as handle:
+        record = json.load(handle)
+    record.pop("about", None)
+    return record
+
+
+def save_training_record(record: dict[str, Any] | None, folder: str | os.PathLike) -> Path | None:
+    """Write `record` as ``training_record.json`` in `folder` (absolute paths scrubbed; nothing for an empty
+    record, and a stale file of earlier weights is removed); returns the file written, or None."""
+    path = Path(folder) / TRAINING_RECORD_NAME
+    record = {k: v for k, v in (record or {}).items() if v}
+    if not record:
+        if path.is_file():
+            path.unlink()
+        return None
+    path.write_text(json.dumps({"about": RECORD_ABOUT, **scrub_paths(record)}, indent=1) + "\n", encoding="utf-8")
+    return path
 
 
 def is_hub_id(text: str | None) -> bool:

@@ -72,11 +72,14 @@ class ModelArguments:
                   "marks the masked block positions (SmolLM2: 16, '<empty_output>')."},
     )
     num_anchors: int | None = field(
-        default=None, metadata={"help": "DFlash: blocks (anchor positions) drawn per sequence each step (default 32)."}
+        default=None,
+        metadata={"help": "DFlash: blocks (anchor positions) drawn per sequence each step (default 32; a continued "
+                  "drafter: the one it was trained with)."},
     )
     loss_decay_gamma: float | None = field(
         default=None,
-        metadata={"help": "DFlash: block offset k >= 1 weighs exp(-(k-1)/gamma) in the loss (default 7; 0 = no decay)."},
+        metadata={"help": "DFlash: block offset k >= 1 weighs exp(-(k-1)/gamma) in the loss (default 7; 0 = no decay; "
+                  "a continued drafter: the one it was trained with)."},
     )
     drafter_attn_implementation: str = field(
         default=SPARSE_SDPA,
@@ -87,7 +90,17 @@ class ModelArguments:
             "sdpa computes anyway). Not saved with the drafter; EAGLE-3's training-time test has its own attention.",
         },
     )
-    ttt_steps: int | None = field(default=None, metadata={"help": "EAGLE-3 training-time-test unroll (default 7)."})
+    ttt_steps: int | None = field(
+        default=None,
+        metadata={"help": "EAGLE-3 training-time-test unroll (default 7; a continued drafter: the one it was trained "
+                  "with, from its training record). A training setting: recorded in training_record.json, not "
+                  "config.json."},
+    )
+    ttt_decay: float | None = field(
+        default=None,
+        metadata={"help": "EAGLE-3: unroll step s weighs ttt_decay**s in the loss (default 0.8; a continued drafter: "
+                  "the one it was trained with)."},
+    )
     drafter_num_layers: int | None = field(default=None, metadata={"help": "Drafter decoder layers (default 2)."})
     init_head_from_target: bool = field(
         default=True,

@@ -203,6 +203,7 @@ def build_dflash_drafter(model_args: ModelArguments, target: PreTrainedModel) ->
     """A new DFlash drafter for `target` from the command's arguments, or the `--init_drafter` one (checked)."""
     other_drafters = {
         "--ttt_steps": model_args.ttt_steps,
+        "--ttt_decay": model_args.ttt_decay,
         "--fusion_identity_init": model_args.fusion_identity_init,
         "--draft_vocab_size": model_args.draft_vocab_size,
     }

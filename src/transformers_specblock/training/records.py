@@ -1,7 +1,7 @@
-"""What a drafter's model card says about its training: the record of a finished run (`training_info`), of a run's
-checkpoint (`checkpoint_training_info`, for a drafter published while its run goes on), and the record of the
-drafter a run started from (``--init_drafter``), kept nested under ``started_from`` so the card shows everything
-the weights have seen."""
+"""A drafter's training record (``training_record.json`` next to its weights, `hub.provenance`): the record of a
+finished run (`training_info`), of a run's checkpoint (`checkpoint_training_info`, for a drafter published while its
+run goes on), and the record of the drafter a run started from (``--init_drafter``), kept nested under
+``started_from`` so the record holds everything the weights have seen; the model card summarises it."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from typing import Any
 from transformers import PreTrainedModel
 
 from ..hub.assets import PACKAGED_MODELS
-from ..hub.provenance import resolve_base_model_id
+from ..hub.provenance import TRAINING_RECORD_NAME, resolve_base_model_id
 from .arguments import DataArguments, ModelArguments, SpecBlockTrainingArguments, parse_train_args
 from .data import describe_training_data
 from .trainer import session_records
@@ -28,7 +28,7 @@ def training_info(
     soft_labels: bool = True,
     started_from: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """What the model card reports about a training run (stored as ``config.training_info``; ``target`` and
+    """What the training record reports about a run (``training_record["training"]``; ``target`` and
     ``base_model`` go to the config itself, see `record_training_info`), from the arguments, the data file's own
     records and the ``sessions`` the trainer logged (each with the hardware detected when it started).
 
@@ -50,6 +50,7 @@ def training_info(
     info = {
         "target": PACKAGED_MODELS[model_args.target_model].hub_id if packaged else model_args.target_model,
         "base_model": base_model,
+        "target_model": model_args.target_model if packaged else None,  # the packaged GGUF the card describes
         "command": sessions[-1].get("command", command),
         "sessions": shown if len(shown) > 1 else None,
         "hardware": " / ".join(hardware) or None,
@@ -71,15 +72,17 @@ def training_info(
 
 
 def record_training_info(drafter: PreTrainedModel, info: dict[str, Any]) -> None:
-    """Attach a run's record to the drafter config (the generated model card reads it): ``target`` (as given, or
-    the packaged model's Hub id) -> ``config.target_name_or_path``, ``base_model`` (a Hub id or absent, never a
-    path) -> ``config.base_model_id``, the rest -> ``config.training_info``. Evaluation rows the config carried
-    (from the ``--init_drafter`` it started as) are dropped: they measured other weights."""
+    """Attach a run's record to the drafter (``save_pretrained`` writes it to ``training_record.json``; the
+    generated model card summarises it): ``target`` (as given, or the packaged model's Hub id) ->
+    ``config.target_name_or_path``, ``base_model`` (a Hub id or absent, never a path) -> ``config.base_model_id``,
+    the rest -> the record's ``training``, the config's training settings (as the run used them) -> its
+    ``training_settings``. Evaluation rows the record carried (from the ``--init_drafter`` it started as) are
+    dropped: they measured other weights."""
     info = dict(info)
     drafter.config.target_name_or_path = info.pop("target")
     drafter.config.base_model_id = info.pop("base_model", None)
-    drafter.config.training_info = info
-    drafter.config.eval_results = []
+    settings = drafter.config.current_training_settings()
+    drafter.config.training_record = {"training": info, **({"training_settings": settings} if settings else {})}
 
 
 def parse_train_command(command: str) -> tuple[ModelArguments, DataArguments, SpecBlockTrainingArguments]:
@@ -93,12 +96,18 @@ def parse_train_command(command: str) -> tuple[ModelArguments, DataArguments, Sp
 def checkpoint_training_info(checkpoint: str | os.PathLike) -> dict[str, Any]:
     """The record of the run that wrote ``checkpoint`` up to its step, as `training_info` writes it when a run
     ends: its sessions and commands (the newest session's command gives the arguments), tokens, steps and clocks from
-    ``trainer_state.json``, and the record of the drafter it started from (``config.training_info`` of the
-    checkpoint: the Trainer saves the config the run was built with)."""
+    ``trainer_state.json``, and the record of the drafter it started from (the checkpoint's training record, as the
+    Trainer saved it with the drafter the run was built from; ``training_info`` of its config.json for checkpoints
+    of older releases)."""
     with open(os.path.join(checkpoint, "trainer_state.json")) as handle:
         state = json.load(handle)
-    with open(os.path.join(checkpoint, "config.json")) as handle:
-        started_from = json.load(handle).get("training_info")
+    record_file = os.path.join(checkpoint, TRAINING_RECORD_NAME)
+    if os.path.isfile(record_file):
+        with open(record_file) as handle:
+            started_from = json.load(handle).get("training")
+    else:
+        with open(os.path.join(checkpoint, "config.json")) as handle:
+            started_from = json.load(handle).get("training_info")
     sessions = session_records(state["log_history"], state["global_step"])
     if not sessions:
         raise ValueError(f"{checkpoint} records no training session (not written by specblock-train).")

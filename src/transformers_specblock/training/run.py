@@ -104,6 +104,20 @@ DRAFTERS = {  # --drafter -> (config class, trainable model class whose forward 
 }
 
 
+def apply_training_settings(config: Any, model_args: ModelArguments) -> None:
+    """The training settings given on the command line (``--ttt_steps``, ``--ttt_decay``, ...) over those of a
+    continued drafter (its training record's, else the defaults): training settings are no architecture, so a run
+    may change them. A setting of another drafter family is refused."""
+    given = {name: getattr(model_args, name, None) for name in ("ttt_steps", "ttt_decay")}
+    for name, value in given.items():
+        if value is None:
+            continue
+        if name not in config.training_settings:
+            raise ValueError(f"--{name} is an EAGLE-3 training setting; this drafter is a {config.drafter_name} one.")
+        setattr(config, name, value)
+    config.validate_settings()
+
+
 def _build_drafter(
     model_args: ModelArguments, target: PreTrainedModel, train_set: datasets.Dataset | None
 ) -> SpecBlockDraftModelForTraining | Eagle3DraftModel:
@@ -145,6 +159,7 @@ def _build_drafter(
                 )
         check_layer_ids(config.target_layer_ids, target, model_args.target_model)
         drafter = model_class.from_pretrained(model_args.init_drafter, dtype=torch.float32)
+        apply_training_settings(drafter.config, model_args)
         logger.info(f"Starting from the drafter in {model_args.init_drafter} (its draft vocabulary is kept).")
     else:
         overrides: dict[str, Any] = {
@@ -152,6 +167,8 @@ def _build_drafter(
         }
         if model_args.drafter == "eagle3":
             overrides["ttt_steps"] = model_args.ttt_steps or 7
+            if model_args.ttt_decay is not None:
+                overrides["ttt_decay"] = model_args.ttt_decay
         else:
             overrides["block_size"] = model_args.block_size or 4
         if layer_ids is not None:

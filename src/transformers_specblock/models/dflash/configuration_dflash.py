@@ -39,13 +39,16 @@ class DFlashConfig(TreeDrafterConfig):
         block_size: Anchor + masked positions per drafter forward (16 in the published drafters); a tree is at most
             `block_size - 1` deep.
         mask_token_id: Target token id whose (target) embedding marks a masked position. Required.
-        loss_decay_gamma: Training weight of block offset k >= 1 is exp(-(k - 1) / gamma) (0 = no decay).
-        num_anchors: Training blocks per sequence (anchors sampled without replacement among the supervised
-            positions, re-drawn every step).
+
+    Training settings (`training_settings`: attributes set by training from its arguments, recorded in the training
+    record, never written to config.json): `loss_decay_gamma`, the training weight of block offset k >= 1 is
+    exp(-(k - 1) / gamma) (7; 0 = no decay), and `num_anchors`, training blocks per sequence (anchors sampled
+    without replacement among the supervised positions, re-drawn every step; 32).
     """
 
     model_type = "dflash_drafter"
     drafter_name = "DFlash"
+    training_settings = {"loss_decay_gamma": 7.0, "num_anchors": 32}
 
     def __init__(
         self,
@@ -54,15 +57,11 @@ class DFlashConfig(TreeDrafterConfig):
         target_layer_ids: list[int] | None = None,
         block_size: int = 16,
         mask_token_id: int | None = None,
-        loss_decay_gamma: float = 7.0,
-        num_anchors: int = 32,
         layer_types: list[str] | None = None,
         **kwargs: Any,
     ) -> None:
         self.block_size = block_size
         self.mask_token_id = mask_token_id
-        self.loss_decay_gamma = loss_decay_gamma
-        self.num_anchors = num_anchors
         self.layer_types = list(layer_types) if layer_types is not None else ["full_attention"] * num_hidden_layers
         if target_layer_ids is None:
             target_layer_ids = dflash_target_layer_ids(target_num_hidden_layers, num_hidden_layers)

@@ -18,9 +18,11 @@ class Eagle3Config(TreeDrafterConfig):
     the tree's `tree_top_k` and `tree_depth` among them, are its `generation_config`'s (`TreeGenerationConfig`; the
     default budget is EAGLE's 59 = `total_tokens - 1`).
 
+    Training settings (`training_settings`: attributes set by training from its arguments, recorded in the training
+    record, never written to config.json): `ttt_steps`, the training-time-test unroll length (EAGLE-3: 7), and
+    `ttt_decay`, the weight decay per unroll step of the training loss (step s weighs `ttt_decay ** s`; 0.8).
+
     Args:
-        ttt_steps: Training-time-test unroll length (EAGLE-3: 7).
-        ttt_decay: Weight decay per unroll step of the training loss (step s weighs `ttt_decay ** s`).
         own_token_embedding: The drafter holds its own token embedding `embed_tokens` [vocab_size, hidden_size]
             instead of reading the target's (published checkpoints that saved one; see `convert_eagle3`).
         norm_before_residual: The attention block's residual is the NORMED hidden (vLLM / speculators option).
@@ -31,12 +33,11 @@ class Eagle3Config(TreeDrafterConfig):
 
     model_type = "eagle3_drafter"
     drafter_name = "EAGLE-3"
+    training_settings = {"ttt_steps": 7, "ttt_decay": 0.8}
 
     def __init__(
         self,
         num_hidden_layers: int = 1,
-        ttt_steps: int = 7,
-        ttt_decay: float = 0.8,
         own_token_embedding: bool = False,
         norm_before_residual: bool = False,
         fc_norm: bool = False,
@@ -47,8 +48,6 @@ class Eagle3Config(TreeDrafterConfig):
         self.norm_before_residual = norm_before_residual
         self.fc_norm = fc_norm
         self.norm_output = norm_output
-        self.ttt_steps = ttt_steps
-        self.ttt_decay = ttt_decay
         super().__init__(num_hidden_layers=num_hidden_layers, **kwargs)
 
     @property

@@ -23,8 +23,6 @@ class SpecBlockConfig(TreeDrafterConfig):
         prefill_chunk_size: Prompt positions the drafter reads per forward (it keeps K entries per position, so a
             long prompt in one forward would need a (P*K)^2 mask); the result does not depend on it.
         rank_head_hidden_size: Hidden width of the rank head MLP.
-        fusion_identity_init: Initialise the fusion layer's condition part to identity (the token and slot-query
-            parts stay random), so the features reach the decoder directly; only a new drafter's weights read it.
         rank_head_bias: The rank head's two linear layers have biases (the SpecBlock reference's have none).
         rank_feature_top_k: The rank features' log-probabilities and entropy are normalised over the top this many
             draft logits (>= 10; 20 in training, also the reference's training code).
@@ -34,10 +32,16 @@ class SpecBlockConfig(TreeDrafterConfig):
             node's position, root + depth, slot k k further: how this package trains) or "block1" (at block 1's
             positions whatever the start depth: how the SpecBlock reference trains and drafts); see
             `SpecBlockDraftModel.followup_start_positions`.
+
+    Training setting (`training_settings`: an attribute set by training from its arguments, recorded in the
+    training record, never written to config.json): `fusion_identity_init`, initialise a new drafter's fusion
+    layer's condition part to identity (the token and slot-query parts stay random), so the features reach the
+    decoder directly; only a new drafter's weights read it.
     """
 
     model_type = "specblock"
     drafter_name = "SpecBlock"
+    training_settings = {"fusion_identity_init": False}
 
     def __init__(
         self,
@@ -46,7 +50,6 @@ class SpecBlockConfig(TreeDrafterConfig):
         rank_bucket_upper_bounds: list[int] | tuple[int, ...] = (1, 4, 10),
         prefill_chunk_size: int = 256,
         rank_head_hidden_size: int = 256,
-        fusion_identity_init: bool = False,
         rank_head_bias: bool = True,
         rank_feature_top_k: int = 20,
         rank_top1_over_vocab: bool = True,
@@ -61,7 +64,6 @@ class SpecBlockConfig(TreeDrafterConfig):
         self.rank_bucket_upper_bounds = list(rank_bucket_upper_bounds)
         self.prefill_chunk_size = prefill_chunk_size
         self.rank_head_hidden_size = rank_head_hidden_size
-        self.fusion_identity_init = fusion_identity_init
         super().__init__(num_hidden_layers=num_hidden_layers, **kwargs)
 
     @property

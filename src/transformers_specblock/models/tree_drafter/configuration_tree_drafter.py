@@ -8,10 +8,11 @@ candidates) lives in its `generation_config` (`TreeGenerationConfig`).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 from transformers import PretrainedConfig
 
+from ...hub.provenance import load_training_record
 from ...hub.shipped import resolve_drafter_path
 from .generation_config import DRAFTING_SETTINGS, TreeGenerationConfig
 
@@ -27,6 +28,11 @@ def default_target_layer_ids(num_target_layers: int) -> list[int]:
     if num_target_layers < 4:
         raise ValueError(f"A feature-level drafter needs a target with at least 4 layers, got {num_target_layers}.")
     return [2, num_target_layers // 2, num_target_layers - 3]
+
+
+RECORD_SECTIONS = {"training_info": "training", "eval_results": "evaluation"}
+"""Keys older checkpoints kept in config.json -> the section of the training record (``training_record.json``) that
+holds them now."""
 
 
 def misplaced_setting(name: str) -> str:
@@ -57,9 +63,21 @@ class TreeDrafterConfig(PretrainedConfig):
         legacy decoding settings (`DRAFTING_SETTINGS`, e.g. `tree_budget`): accepted for checkpoints written before
             they moved to the drafter's `generation_config` (`TreeGenerationConfig`), which they initialise; never
             written to config.json again.
+        training settings (`training_settings`, e.g. EAGLE-3's `ttt_steps`): how a run trains the drafter, not its
+            architecture. Training sets them from its arguments (`training.arguments`); kept as attributes for the
+            training code, recorded in the training record, never written to config.json.
+        legacy records (`training_info`, `eval_results`): accepted from checkpoints written before they moved to the
+            training record (``training_record.json`` next to the weights, `training_record`), which they fill.
+
+    `config.json` holds the architecture only, as `LlamaConfig`'s does: the target the drafter reads (its sizes, layer
+    ids and, as PEFT's `base_model_name_or_path`, its name), the drafter's own layers and draft vocabulary. Where the
+    drafter came from and how it measured (`training_record`: ``training``, ``evaluation``, ``training_settings``)
+    is written by `save_pretrained` to ``training_record.json`` and read back by `from_pretrained`.
     """
 
     drafter_name = "tree"
+    training_settings: ClassVar[dict[str, Any]] = {}
+    """Training settings of this drafter family and their defaults (not architecture: never in config.json)."""
 
     def __init__(
         self,
@@ -110,8 +128,49 @@ class TreeDrafterConfig(PretrainedConfig):
         self.draft_vocab_size = draft_vocab_size if draft_vocab_size is not None else vocab_size
         legacy = {name: kwargs.pop(name) for name in DRAFTING_SETTINGS if name in kwargs}
         self.legacy_drafting_settings = TreeGenerationConfig(**legacy).drafting_settings(legacy) if legacy else {}
+        record: dict[str, Any] = {}
+        for key, section in RECORD_SECTIONS.items():
+            value = kwargs.pop(key, None)
+            if value:  # an older checkpoint's record (empty ones are dropped)
+                record[section] = value
+        given = {name: kwargs.pop(name) for name in self.training_settings if name in kwargs}
+        for name, default in self.training_settings.items():
+            setattr(self, name, given.get(name, default))
+        if given:  # an older checkpoint's settings (or ones given here): what its training used
+            record["training_settings"] = given
+        self.training_record = record
         super().__init__(**kwargs)
         self.validate_settings()
+
+    @property
+    def training_info(self) -> dict[str, Any] | None:
+        """The record of the run(s) that trained the drafter (``training_record["training"]``), or None."""
+        return self.training_record.get("training")
+
+    @training_info.setter
+    def training_info(self, value: dict[str, Any] | None) -> None:
+        self._set_record_section("training", value)
+
+    @property
+    def eval_results(self) -> list[dict[str, Any]]:
+        """Measured results of these weights (``training_record["evaluation"]``): each row names its setting."""
+        return self.training_record.get("evaluation") or []
+
+    @eval_results.setter
+    def eval_results(self, value: list[dict[str, Any]] | None) -> None:
+        self._set_record_section("evaluation", value)
+
+    def _set_record_section(self, section: str, value: Any) -> None:
+        record = dict(self.training_record)
+        if value:
+            record[section] = value
+        else:
+            record.pop(section, None)
+        self.training_record = record
+
+    def current_training_settings(self) -> dict[str, Any]:
+        """This drafter family's training settings as the config holds them now (for the training record)."""
+        return {name: getattr(self, name) for name in self.training_settings}
 
     def __setattr__(self, key: str, value: Any) -> None:
         if key in DRAFTING_SETTINGS:  # it would be read by nothing
@@ -144,9 +203,11 @@ class TreeDrafterConfig(PretrainedConfig):
             )
 
     def to_dict(self) -> dict[str, Any]:
-        """`PretrainedConfig.to_dict` without legacy decoding settings (they live in `generation_config.json`)."""
+        """`PretrainedConfig.to_dict` of the architecture only: without legacy decoding settings (they live in
+        `generation_config.json`), training settings and the training record (``training_record.json``)."""
         output = super().to_dict()
-        output.pop("legacy_drafting_settings", None)
+        for key in ("legacy_drafting_settings", "training_record", *self.training_settings, *RECORD_SECTIONS):
+            output.pop(key, None)
         return output
 
     @classmethod
@@ -158,8 +219,29 @@ class TreeDrafterConfig(PretrainedConfig):
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path: Any, *args: Any, **kwargs: Any) -> "TreeDrafterConfig":
         """`PretrainedConfig.from_pretrained`; a shipped drafter's name resolves as in `TreeDraftModel.from_pretrained`
-        (a local folder of that name wins; a Hub id is passed through unchanged)."""
-        return super().from_pretrained(resolve_drafter_path(pretrained_model_name_or_path), *args, **kwargs)
+        (a local folder of that name wins; a Hub id is passed through unchanged). The training record saved next to
+        it (``training_record.json``, where there is one) becomes `training_record`, its training settings the
+        config's (an older checkpoint's config.json records and settings are moved there on load)."""
+        path = resolve_drafter_path(pretrained_model_name_or_path)
+        loaded = super().from_pretrained(path, *args, **kwargs)
+        config = loaded[0] if isinstance(loaded, tuple) else loaded
+        hub_kwargs = {k: kwargs[k] for k in _HUB_KWARGS if k in kwargs}
+        record = load_training_record(path, subfolder=kwargs.get("subfolder", ""), **hub_kwargs) if path else None
+        if record is not None:
+            config.attach_training_record(record)
+        return loaded
+
+    def attach_training_record(self, record: dict[str, Any]) -> None:
+        """Take `record` (a training record as saved) as this config's, and its training settings as the config's;
+        what an older config.json carried stays where the record has nothing of its own."""
+        merged = {**self.training_record, **record}
+        for name, value in (merged.get("training_settings") or {}).items():
+            if name in self.training_settings:
+                setattr(self, name, value)
+        self.training_record = merged
+
+
+_HUB_KWARGS = ("cache_dir", "force_download", "local_files_only", "token", "revision", "proxies")
 
 
 def derive_from_target(target_config: PretrainedConfig, drafter_name: str, overrides: dict[str, Any]) -> dict[str, Any]:

@@ -143,16 +143,22 @@ class TreeDraftModel(DraftingSettingsMixin, PreTrainedModel):
     def save_pretrained(
         self, save_directory: str | os.PathLike, *args: Any, save_adapted: bool = False, **kwargs: Any
     ) -> Any:
-        """`PreTrainedModel.save_pretrained`, plus the decoding settings (`generation_config.json`) and a generated Hub
-        model card (`README.md`) from the config's records.
+        """`PreTrainedModel.save_pretrained`, plus the decoding settings (`generation_config.json`), the training record
+        (`training_record.json`: provenance, training settings, evaluation; see `hub.provenance`) and a generated Hub
+        model card (`README.md`). A README.md already in the folder that this package did not generate (the user's own
+        card) is kept as it is.
 
         A drafter changed by online adaptation writes the weights it was loaded with unless `save_adapted=True`.
         """
+        from ...hub.modelcard import write_model_card
+        from ...hub.provenance import save_training_record
+
         with self.loaded_weights_in_place(not save_adapted):
             result = super().save_pretrained(save_directory, *args, **kwargs)
         if kwargs.get("is_main_process", True):
             self.generation_config.save_pretrained(save_directory)
-            build_model_card(self).save(os.path.join(save_directory, "README.md"))
+            save_training_record(self.config.training_record, save_directory)
+            write_model_card(build_model_card(self), os.path.join(save_directory, "README.md"))
         return result
 
     def remember_loaded_weights(self) -> None:
