@@ -120,7 +120,7 @@ def test_wheel_installs_and_works_outside_the_checkout(tmp_path):
     assert Path(report["package"]).resolve().is_relative_to(site.resolve())  # the wheel, not the checkout
     assert report["custom_generate"]
     names = ["dflash-smollm2-135m-instruct", "eagle3-smollm2-135m-instruct", "specblock-smollm2-135m-instruct"]
-    files = ["README.md", "config.json", "generation_config.json", "model.safetensors"]
+    files = ["README.md", "config.json", "generation_config.json", "model.safetensors", "training_record.json"]
     assert report["shipped"] == {n: files for n in names}
     for key, path in report["drafter_paths"].items():
         assert Path(path).resolve().is_relative_to(site.resolve()), key
