@@ -6,6 +6,7 @@ small; the pages' code lines fit the page and name no folder of a development ma
 from __future__ import annotations
 
 import importlib.util
+import json
 import re
 import subprocess
 import sys
@@ -19,6 +20,7 @@ import yaml
 from conftest import load_example
 
 ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "docs" / "results"
 NOT_BUILT = ("lab-notes/", "results/")  # history and raw results: in the repository, not built into the site
 SITE_MB = 15  # the built site stays under this (pages, search index, theme and the few results figures shown)
 CODE_LINE = 100  # characters per line of a fenced code block on a site page (what fits the page's width)
@@ -170,6 +172,34 @@ def test_the_steps_of_a_decoding_step_are_one_numbered_list(site):
     assert section.count("<ol>") == 1 and section.count("<li>") == 4
 
 
+WHICH_METHOD_NAMES = {"SpecBlock": "specblock", "EAGLE-3": "eagle3", "DFlash": "dflash", "lookup tree": "lookup_tree",
+                      "prompt lookup": "prompt_lookup"}  # fmt: skip
+
+
+def test_which_method_figures_are_those_of_the_results_they_link():
+    """Every 'method N.NNx (tau N.NN)' in a code or chat cell citing a glance run is that run's figure."""
+    page = (ROOT / "docs" / "which-method.md").read_text()
+    names = "|".join(WHICH_METHOD_NAMES)
+    figure = re.compile(rf"({names})(?: alone)? (\d\.\d\d)x(?: \(tau (\d\.\d\d)\))?")
+    checked = 0
+    for row in re.findall(r"^\|(.+)\|$", page, re.M):
+        cells = [cell.strip() for cell in row.split("|")]
+        if len(cells) != 6 or cells[0] in ("hardware", "---"):
+            continue
+        for cell, prompts in ((cells[2], "humaneval"), (cells[3], "mt_bench")):
+            run = re.search(r"\]\(results/(glance-[\w-]+)/\)", cell)
+            if run is None:
+                continue
+            [folder] = [p for p in (RESULTS / run.group(1)).iterdir() if p.name.endswith(f"-{prompts}-b1")]
+            methods = json.loads((folder / "results.json").read_text())["methods"]
+            for name, speedup, tau in figure.findall(cell):
+                method = methods[WHICH_METHOD_NAMES[name]]
+                assert f"{method['speedup']:.2f}" == speedup, f"{run.group(1)} {prompts} {name}: {speedup}x"
+                assert not tau or f"{method['tau']:.2f}" == tau, f"{run.group(1)} {prompts} {name}: tau {tau}"
+                checked += 1
+    assert checked >= 20
+
+
 def site_pages() -> list[Path]:
     docs = ROOT / "docs"
     return [page for page in sorted(docs.rglob("*.md")) if not page.relative_to(docs).as_posix().startswith(NOT_BUILT)]
@@ -179,14 +209,15 @@ def test_code_blocks_fit_the_page():
     long = []
     for page in site_pages():
         for fence in re.finditer(r"^([ \t]*)(```+|~~~+)[^\n]*\n(.*?)^\1\2[ \t]*$", page.read_text(), re.S | re.M):
-            long += [f"{page.relative_to(ROOT)}: {line}" for line in fence.group(3).splitlines() if len(line) > CODE_LINE]
+            lines = fence.group(3).splitlines()
+            long += [f"{page.relative_to(ROOT)}: {line}" for line in lines if len(line) > CODE_LINE]
     assert long == [], f"code lines over {CODE_LINE} characters:\n" + "\n".join(long)
 
 
 def test_no_docs_page_names_a_development_machines_folders():
     """Pages and lab notes (not the raw results files under docs/results)."""
     docs = ROOT / "docs"
-    pages = [page for page in sorted(docs.rglob("*.md")) if not page.relative_to(docs).as_posix().startswith("results/")]
+    pages = [page for page in sorted(docs.rglob("*.md")) if page.relative_to(docs).parts[0] != "results"]
     found = [f"{page.relative_to(ROOT)}:{number}: {line.strip()[:120]}" for page in pages
              for number, line in enumerate(page.read_text().splitlines(), 1) if MACHINE_PATH.search(line)]  # fmt: skip
     assert found == [], "absolute folders of a development machine:\n" + "\n".join(found)

@@ -13,7 +13,7 @@ import posixpath
 import re
 from pathlib import Path
 
-from mkdocs.structure.files import File, Files, InclusionLevel
+from mkdocs.structure.files import Files, InclusionLevel
 
 REPOSITORY_BRANCH = "main"
 REPOSITORY_ONLY = ("results/", "lab-notes/")  # folders under docs/ the site copies only shown figures from
@@ -103,7 +103,7 @@ def on_page_markdown(markdown: str, page, config, files: Files) -> str:
 
     parts, last = [], 0
     for fence in FENCE.finditer(markdown):  # links inside code blocks are code
-        parts += [HTML_LINK.sub(rewrite, LINK.sub(rewrite, markdown[last:fence.start()])), fence.group(0)]
+        parts += [HTML_LINK.sub(rewrite, LINK.sub(rewrite, markdown[last : fence.start()])), fence.group(0)]
         last = fence.end()
     parts.append(HTML_LINK.sub(rewrite, LINK.sub(rewrite, markdown[last:])))
     return "".join(parts)

@@ -60,7 +60,7 @@ def fit_line(line: str, width: int = WIDTH) -> list[str]:
         if cut <= len(indent):
             break
         lines.append(line[:cut] + (" \\" if command else ""))
-        line = indent + ("    " if command else "# " if comment else "") + line[cut + 1:]
+        line = indent + ("    " if command else "# " if comment else "") + line[cut + 1 :]
     return lines + [line]
 
 
