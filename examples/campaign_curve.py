@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from transformers_specblock.hub.provenance import load_training_record
 from transformers_specblock.training.records import checkpoint_training_info, record_training_info
 from transformers_specblock.training.run import DRAFTERS, save_drafter
 from transformers_specblock.training.trainer import SESSION_KEY, last_complete_checkpoint
@@ -57,7 +58,9 @@ def campaign_before(run: Path) -> tuple[int, float, float]:
     campaign = json.loads((run / "start_drafter" / "campaign.json").read_text())
     if "train_cpu_seconds" in campaign:
         return campaign["campaign_tokens"], campaign["train_seconds"], campaign["train_cpu_seconds"]
-    info = json.loads((run / "start_drafter" / "config.json").read_text())["training_info"]
+    record = load_training_record(run / "start_drafter")  # training_record.json; older drafters: their config.json
+    info = record["training"] if record else json.loads((run / "start_drafter" / "config.json").read_text())
+    info = info.get("training_info", info)
     return info["train_tokens"], info["train_time_minutes"] * 60, info["train_cpu_minutes"] * 60
 
 

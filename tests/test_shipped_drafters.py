@@ -118,7 +118,7 @@ COMMON_CONFIG_KEYS = {
 ARCHITECTURE_KEYS = {
     SPECBLOCK: COMMON_CONFIG_KEYS | {"block_size", "rank_bucket_upper_bounds", "prefill_chunk_size",
                                      "rank_head_hidden_size", "rank_head_bias", "rank_feature_top_k",
-                                     "rank_top1_over_vocab", "followup_positions"},  # fmt: skip
+                                     "rank_top1_over_vocab", "followup_positions"},
     EAGLE3: COMMON_CONFIG_KEYS | {"own_token_embedding", "norm_before_residual", "fc_norm", "norm_output"},
     DFLASH: COMMON_CONFIG_KEYS | {"block_size", "mask_token_id", "layer_types"},
 }

@@ -235,15 +235,21 @@ def _results_section(evaluation: list[dict[str, Any]]) -> str:
 
 def _limitations(config: Any, training: dict[str, Any], evaluation: list[dict[str, Any]]) -> str:
     items = [
-        f"Works only with its target ({config.target_model_type or 'causal LM'}, {config.target_num_hidden_layers} "
-        f"layers, vocabulary {config.vocab_size}): it reads that model's hidden states, and a fine-tune of it drafts "
-        "worse.",
-        "Output is the target's own either way: in float32, greedy output is token for token plain `generate`'s; in "
-        "bfloat16 a near-tie between two tokens may round the other way in the tree's forward than in plain "
-        "decoding, so a greedy output can part from plain `generate`'s while staying an output of the target.",
-        "Speculation pays only where a tree of several tokens costs the target little more than one token: on a CPU "
-        "without native bfloat16 (no AVX512-BF16 or AMX) a tree costs the target far more, and `tree_budget=\"auto\"` "
-        "then drafts rarely.",
+        (
+            f"Works only with its target ({config.target_model_type or 'causal LM'}, "
+            f"{config.target_num_hidden_layers} layers, vocabulary {config.vocab_size}): it reads that model's hidden "
+            "states; with a fine-tune of it, acceptance may drop (not measured)."
+        ),
+        (
+            "Output is the target's own either way: in float32, greedy output is token for token plain `generate`'s; "
+            "in bfloat16 a near-tie between two tokens may round the other way in the tree's forward than in plain "
+            "decoding, so a greedy output can part from plain `generate`'s while staying an output of the target."
+        ),
+        (
+            "Speculation pays only where a tree of several tokens costs the target little more than one token: on a "
+            "CPU without native bfloat16 (no AVX512-BF16 or AMX) a tree costs the target far more, and "
+            '`tree_budget="auto"` then drafts on few steps.'
+        ),
     ]
     hosts = {r.get("hardware") for r in evaluation if r.get("hardware")}
     prompts = sorted({r["prompts"] for r in evaluation if isinstance(r.get("prompts"), int)})
