@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from conftest import load_example, make_drafter, make_target
+from scripted_clock import ScriptedMachine
 from test_dflash import make_dflash
 from test_eagle3 import make_eagle3
 from test_sampling_lossless import ALPHA, exact_marginals, fit_pvalues, sample_counts
@@ -241,14 +242,16 @@ def test_threads_share_one_store(one_thread):
     assert sum(map(len, store.requests)) == store.tokens
 
 
-def test_a_long_remembered_stretch_is_verified_long_under_auto(one_thread):
+def test_a_long_remembered_stretch_is_verified_long_under_auto(one_thread, monkeypatch):
     """tree_budget="auto" with the default ladder: once a chain from the store is accepted whole, the next ones are
     verified whole too (neither the chosen budget nor the per-step sizing cuts a chain that keeps being accepted)."""
     target = make_target("llama", vocab_size=64, seed=1)
+    # given step times, not the host's (a CPU-like target: 32 nodes cost 1.6 plain steps; the lookups take none)
+    ScriptedMachine(monkeypatch).times_target(target, lambda nodes: 0.010 + 0.0002 * nodes)
     prompt = torch.randint(1, 64, (1, 8), generator=torch.Generator().manual_seed(5))
     # the first call teaches nothing (tau 1 everywhere), so whether the second starts with plain steps or with the
-    # free candidates' trees is the timings' call (a loaded machine can make the lookups look too slow): exploring
-    # often and freely makes the chain's discovery quick either way; what is tested is what happens after it
+    # free candidates' trees is the timings' call: exploring often and freely makes the chain's discovery quick
+    # either way; what is tested is what happens after it
     settings = {**SUFFIX, "suffix_cache_num_tokens": 32, "auto_budget_explore_interval": 4,
                 "auto_budget_explore_share": 1.0}
     drafter = LookupTreeModel.from_target(target, tree_budget="auto", **settings)
