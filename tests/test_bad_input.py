@@ -13,6 +13,7 @@ import transformers_specblock
 from conftest import make_drafter, make_target
 from transformers_specblock import CUSTOM_GENERATE_DIR, SpecBlockConfig, SpecBlockDraftModel
 from transformers_specblock.models.tree_drafter import TreeGenerationConfig
+from transformers_specblock.utils import CACHE_ARGUMENT
 
 VOCAB = 128
 PROMPT = torch.tensor([[0, 5, 17, 33, 2, 9]])
@@ -105,8 +106,15 @@ def test_prefilled_cache(target, drafter, route):
     cache = DynamicCache(config=target.config)
     with torch.no_grad():
         target(PROMPT[:, :3], past_key_values=cache, use_cache=True)
-    with pytest.raises(ValueError, match="past_key_values"):
+    with pytest.raises(ValueError, match=f"pre-filled `{CACHE_ARGUMENT}`"):
         run(route, target, drafter, past_key_values=cache)
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_no_cache_names_the_setting_not_a_static_cache(target, drafter, route):
+    with pytest.raises(ValueError, match="drop use_cache=False") as info:
+        run(route, target, drafter, use_cache=False)
+    assert "static" not in str(info.value)
 
 
 @pytest.mark.parametrize("route", ROUTES)

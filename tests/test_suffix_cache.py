@@ -196,17 +196,23 @@ def test_bad_suffix_settings_are_refused(one_thread):
     assert out.shape[1] == 8
 
 
-def test_a_store_refuses_another_targets_vocabulary_until_reset(one_thread):
-    first, second = make_target("llama", vocab_size=24, seed=0), make_target("llama", vocab_size=24, seed=7)
+def test_targets_of_one_vocabulary_share_the_store_another_vocabulary_is_refused_until_reset(one_thread):
+    """The store holds token ids: it belongs to a vocabulary. A second target of the same vocabulary (other weights,
+    as a fine-tune; or the same one in bfloat16) shares it, each decoding exactly as plain greedy; a target whose
+    vocabulary differs (its size or special-token ids) is refused until reset."""
+    first, tuned = make_target("llama", vocab_size=24, seed=0), make_target("llama", vocab_size=24, seed=7)
     drafter = LookupTreeModel.from_target(first, tree_budget=8, **SUFFIX)
     prompt = torch.tensor([[1, 2, 3, 4]])
-    _served(first, drafter, prompt)
-    _served(first.to(torch.bfloat16), drafter, prompt)  # the same target in another dtype is the same vocabulary
+    for target in (first, tuned, first):
+        assert torch.equal(_served(target, drafter, prompt), target.generate(prompt, do_sample=False, max_new_tokens=40))
+    _served(first.to(torch.bfloat16), drafter, prompt)
     first.float()
-    with pytest.raises(ValueError, match="suffix cache holds 2 requests served to another target"):
-        second.generate(prompt, assistant_model=drafter, max_new_tokens=4)
+    assert len(suffix_cache_for(drafter)) == 4
+    other = make_target("llama", vocab_size=24, seed=7, bos_token_id=3)  # (another size: refused as another target)
+    with pytest.raises(ValueError, match="suffix cache holds 4 requests served to a target of another vocabulary"):
+        other.generate(prompt, assistant_model=drafter, max_new_tokens=4)
     suffix_cache_for(drafter).reset()
-    _served(second, drafter, prompt)
+    _served(other, drafter, prompt)
     assert len(suffix_cache_for(drafter)) == 1
 
 

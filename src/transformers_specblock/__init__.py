@@ -39,6 +39,13 @@ from .models import (
     TreeDrafterConfig,
     TreeDraftModel,
 )
+from .models.tree_drafter import (
+    DFlashGenerationConfig,
+    Eagle3GenerationConfig,
+    LookupTreeGenerationConfig,
+    SpecBlockGenerationConfig,
+    TreeGenerationConfig,
+)
 
 CUSTOM_GENERATE_DIR = os.path.dirname(os.path.abspath(__file__))
 """Folder to pass as `generate(custom_generate=...)` (it holds `custom_generate/generate.py`)."""
@@ -55,20 +62,25 @@ __all__ = [
     "CUSTOM_GENERATE_DIR",
     "DFlashConfig",
     "DFlashDraftModel",
+    "DFlashGenerationConfig",
     "DraftTree",
     "Eagle3CandidateGenerator",
     "Eagle3Config",
     "Eagle3DraftModel",
+    "Eagle3GenerationConfig",
     "Eagle3Output",
     "LookupTreeConfig",
+    "LookupTreeGenerationConfig",
     "LookupTreeModel",
     "SpecBlockCandidateGenerator",
     "SpecBlockConfig",
     "SpecBlockDraftModel",
+    "SpecBlockGenerationConfig",
     "SpecBlockOutput",
     "SpecBlockStats",
     "TreeDraftModel",
     "TreeDrafterConfig",
+    "TreeGenerationConfig",
     "TreeLogitsProcessor",
     "generate",
     "get_candidate_generator",

@@ -9,12 +9,16 @@ from typing import Any
 
 import numpy
 import torch
+import transformers
+from packaging.version import Version
 
 
-# The transformers releases whose private GenerationMixin methods the `generate` router replaces (checked by version
-# and signature at import, `generation.integration.router_problems`); the patch-free route is also tested on the
-# newest release (`.ci/run`), where transformers renamed `generate`'s cache argument (`past_key_values` -> `cache`).
-SUPPORTED_TRANSFORMERS = ">=5.23,<5.24"
+# The transformers releases whose private GenerationMixin methods the `generate` router replaces (the table of their
+# signatures per release is `generation.integration.ROUTED_SIGNATURES`, checked at import); CI runs the tree loop's
+# exactness, sampling, batching and streamer tests under the oldest and the newest of them.
+SUPPORTED_TRANSFORMERS = ">=5.23,<5.26"
+# the name of the KV cache in a model's forward arguments and outputs (transformers renamed it in 5.24)
+CACHE_ARGUMENT = "past_key_values" if Version(transformers.__version__).release < (5, 24) else "cache"
 PATCH_FREE_ROUTE = "transformers_specblock.generate(model, **inputs, assistant_model=drafter)"
 
 

@@ -23,7 +23,7 @@ from transformers.generation.streamers import BaseStreamer
 
 from ..models.tree_drafter.generation_config import AUTO, TreeGenerationConfig
 from ..models.tree_drafter.modeling_tree_drafter import TreeDraftModel
-from ..utils import sync, to_device
+from ..utils import CACHE_ARGUMENT, sync, to_device
 from .acceptance import greedy_accept_rows, kept_rows, sample_accept
 from .adaptation import AdaptationReport, OnlineAdapter, online_adapter_for
 from .auto_choosers import auto_budget_for, save_chooser
@@ -197,7 +197,7 @@ class _Loop:
             input_ids=input_ids.to(device),
             attention_mask=mask_2d,
             position_ids=(visible.long().cumsum(-1) - 1).masked_fill(~visible, 1),  # as transformers' generate
-            past_key_values=self.cache,
+            **{CACHE_ARGUMENT: self.cache},
             use_cache=True,
             output_hidden_states=self.feature_layers or False,
             logits_to_keep=1,

@@ -10,11 +10,12 @@ from transformers import DynamicCache, GenerationConfig, PreTrainedModel
 from transformers.generation.streamers import BaseStreamer
 
 from ..models.tree_drafter.modeling_tree_drafter import TreeDraftModel
+from ..utils import CACHE_ARGUMENT
 
 
 def generation_cache(model_kwargs: dict[str, Any]) -> Any:
     """The cache `generate` prepared (its argument is `past_key_values` up to transformers 5.23, `cache` since)."""
-    return model_kwargs.get("past_key_values", model_kwargs.get("cache"))
+    return model_kwargs.get(CACHE_ARGUMENT)
 
 
 def check_inputs(
@@ -39,14 +40,23 @@ def check_inputs(
             f"Tree verification needs a 4D tree attention mask, which '{target.config._attn_implementation}' attention "
             "cannot take. Load the target with attn_implementation='sdpa' or 'eager'."
         )
+    if not generation_config.use_cache or not model_kwargs.get("use_cache", True):
+        raise ValueError(
+            "Tree decoding verifies every tree against the target's KV cache: drop use_cache=False (speculative "
+            "decoding without a cache would recompute the whole text at every step)."
+        )
     cache = generation_cache(model_kwargs)
     if generation_config.cache_implementation not in (None, "dynamic") or not isinstance(cache, DynamicCache):
         raise ValueError(
-            f"SpecBlock needs a DynamicCache to compact after every step; got cache_implementation="
-            f"{generation_config.cache_implementation!r} ({type(cache).__name__}). Drop the static cache setting."
+            f"Tree decoding keeps the accepted path of every tree in a DynamicCache; got cache_implementation="
+            f"{generation_config.cache_implementation!r} and a {type(cache).__name__} cache. Drop cache_implementation "
+            f"and pass no `{CACHE_ARGUMENT}` (generate makes a DynamicCache)."
         )
     if cache.get_seq_length() > 0:
-        raise ValueError("SpecBlock starts from an empty cache: passing a pre-filled `past_key_values` is not supported.")
+        raise ValueError(
+            f"Tree decoding starts from an empty cache: a pre-filled `{CACHE_ARGUMENT}` is not supported; pass the "
+            "whole text as input_ids."
+        )
     if generation_config.output_attentions or generation_config.output_hidden_states:
         raise ValueError("output_attentions / output_hidden_states are not available with tree decoding.")
     mask = model_kwargs.get("attention_mask")

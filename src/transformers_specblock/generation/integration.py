@@ -31,11 +31,16 @@ STOCK_SETTINGS = {
     "prompt_lookup_num_tokens": "prompt_lookup_num_tokens",
     "max_matching_ngram_size": "prompt_lookup_max_ngram_size",
 }
+# transformers' assisted-decoding settings (with their defaults) that shape a chain drafter's drafting
+STOCK_ASSISTANT_SETTINGS = {"num_assistant_tokens": 20, "assistant_confidence_threshold": 0.4,
+                            "num_assistant_tokens_schedule": "constant"}  # fmt: skip
 
 
 def drafting_overrides(generation_config: GenerationConfig) -> dict[str, Any]:
     """The drafter settings one `generate` call asks for: this package's own keyword arguments (`DRAFTING_SETTINGS`,
-    carried on the call's generation config) and the stock ones of `STOCK_SETTINGS` that were set."""
+    carried on the call's generation config), the stock ones of `STOCK_SETTINGS` that were set, and
+    `num_assistant_tokens` (tokens drafted per step: a fixed `tree_budget` of that many nodes). The other stock
+    assisted-decoding settings, which a tree drafter cannot honour, are refused."""
     overrides = {
         name: getattr(generation_config, name)
         for name in DRAFTING_SETTINGS
@@ -44,6 +49,25 @@ def drafting_overrides(generation_config: GenerationConfig) -> dict[str, Any]:
     for stock, name in STOCK_SETTINGS.items():
         if getattr(generation_config, stock, None) is not None:
             overrides[name] = getattr(generation_config, stock)
+    asked = {name: getattr(generation_config, name, default) for name, default in STOCK_ASSISTANT_SETTINGS.items()}
+    if asked["assistant_confidence_threshold"] != STOCK_ASSISTANT_SETTINGS["assistant_confidence_threshold"]:
+        raise ValueError(
+            "assistant_confidence_threshold stops a chain drafter early; a tree drafter ranks its nodes by their "
+            "draft scores and keeps the best `tree_budget`: drop it, and set tree_budget (or tree_budget=\"auto\")."
+        )
+    if asked["num_assistant_tokens_schedule"] != STOCK_ASSISTANT_SETTINGS["num_assistant_tokens_schedule"]:
+        raise ValueError(
+            f"num_assistant_tokens_schedule={asked['num_assistant_tokens_schedule']!r} adapts a chain's length; a tree "
+            "drafter's size adapts with tree_budget=\"auto\": drop the schedule."
+        )
+    drafted = asked["num_assistant_tokens"]
+    if drafted != STOCK_ASSISTANT_SETTINGS["num_assistant_tokens"]:
+        if overrides.get("tree_budget", drafted) != drafted:
+            raise ValueError(
+                f"num_assistant_tokens={drafted} and tree_budget={overrides['tree_budget']!r} both set the nodes drafted "
+                "per step: pass one of them."
+            )
+        overrides["tree_budget"] = drafted
     return overrides
 
 
@@ -120,8 +144,10 @@ def _validate_generation_mode(
     _STOCK_VALIDATE_GENERATION_MODE(self, generation_mode, generation_config, generation_mode_kwargs)
 
 
-# The parameters of the stock methods the router replaces, as the supported transformers releases define them.
-ROUTED_SIGNATURES = {
+# The parameters of the stock methods the router replaces, per transformers release it supports (checked at import:
+# a release outside the table, or one whose methods differ from its row, is not patched). 5.24 renamed the cache
+# argument `generate` hands them (`past_key_values` -> `cache`, `utils.CACHE_ARGUMENT`); the signatures stayed.
+_SIGNATURES_5_23 = {
     "_assisted_decoding": (
         "self", "input_ids", "logits_processor", "stopping_criteria", "generation_config", "synced_gpus", "streamer",
         "inputs_tensor", "assistant_model", "assistant_tokenizer", "tokenizer", "model_kwargs",
@@ -129,17 +155,21 @@ ROUTED_SIGNATURES = {
     "_validate_generation_mode": ("self", "generation_mode", "generation_config", "generation_mode_kwargs"),
     "_prepare_generation_config": ("self", "generation_config", "kwargs"),
 }  # fmt: skip
+ROUTED_SIGNATURES = {"5.23": _SIGNATURES_5_23, "5.24": _SIGNATURES_5_23, "5.25": _SIGNATURES_5_23}
 
 
 def router_problems(stock: dict[str, Any] | None = None, version: str | None = None) -> list[str]:
     """What differs between this transformers (`version`, by default the installed one) and the releases the router
-    was written for (`SUPPORTED_TRANSFORMERS`), and between the stock methods it replaces (`stock`: name -> method,
-    by default the ones this transformers had at import) and their signatures there (`ROUTED_SIGNATURES`); empty
-    where it may patch. A release can keep the signatures and change what they are given (the cache argument's name
-    changed in 5.24), so both are checked."""
+    was written for (`ROUTED_SIGNATURES`, `SUPPORTED_TRANSFORMERS`), and between the stock methods it replaces
+    (`stock`: name -> method, by default the ones this transformers had at import) and their signatures in that
+    release's row; empty where it may patch. A release can keep the signatures and change what they are given (the
+    cache argument's name changed in 5.24), so both are checked."""
     version = version or transformers.__version__
+    release = ".".join(str(part) for part in Version(version).release[:2])
     problems = []
-    if not SpecifierSet(SUPPORTED_TRANSFORMERS).contains(Version(version), prereleases=True):
+    if release not in ROUTED_SIGNATURES or not SpecifierSet(SUPPORTED_TRANSFORMERS).contains(
+        Version(version), prereleases=True
+    ):
         problems.append(f"its version {version} is outside {SUPPORTED_TRANSFORMERS}")
     if stock is None:
         stock = {
@@ -147,7 +177,8 @@ def router_problems(stock: dict[str, Any] | None = None, version: str | None = N
             "_validate_generation_mode": _STOCK_VALIDATE_GENERATION_MODE,
             "_prepare_generation_config": _STOCK_PREPARE_GENERATION_CONFIG,
         }
-    for name, expected in ROUTED_SIGNATURES.items():
+    signatures = ROUTED_SIGNATURES.get(release, ROUTED_SIGNATURES[max(ROUTED_SIGNATURES, key=Version)])
+    for name, expected in signatures.items():
         method = stock.get(name)
         if method is None:
             problems.append(f"GenerationMixin.{name} is missing")

@@ -25,7 +25,7 @@ import torch
 
 from ..models.tree_drafter.modeling_tree_drafter import TreeDraftModel
 from ..models.tree_drafter.serving_state import ServingState
-from .suffix_cache import Proposal, SuffixCandidates, SuffixSettings, suffix_store_of, target_fingerprint
+from .suffix_cache import Proposal, SuffixCandidates, SuffixSettings, suffix_store_of, vocabulary_fingerprint
 from .tree import DraftTree, HostTree
 
 
@@ -193,14 +193,16 @@ def free_candidates_for(drafter: TreeDraftModel, state: ServingState | None = No
     """The free candidates of one `generate` call of `drafter` (None where its config turns none on), with the
     source scores learnt so far in `state` (the drafter's serving state for its target, so what one call learnt,
     which kinds of match the target accepts, carries over to the next; fresh scores without one) and the suffix
-    store of the drafter that state belongs to (bound to the target the drafter is bound to)."""
+    store of the drafter that state belongs to (bound to the vocabulary of the target the drafter is bound to)."""
     settings = LookupSettings.from_config(drafter.generation_config)
     if not settings.enabled:
         return None
     suffix = settings.suffix
     states = state.owner if state is not None else drafter.serving_states
     store = suffix_store_of(states, suffix) if suffix.suffix_cache_num_tokens else None
-    fingerprint = target_fingerprint(drafter.bound_embedding)
+    embedding = drafter.bound_embedding
+    special_ids = state.target.config.get_text_config() if state is not None else drafter.config
+    fingerprint = vocabulary_fingerprint(embedding.num_embeddings, special_ids) if embedding is not None else None
     local = suffix.suffix_cache_num_tokens or suffix.suffix_local_num_tokens
     suffix_candidates = SuffixCandidates(suffix, store, fingerprint) if local else None
     scores = state.source_scores.setdefault(settings, SourceScores()) if state is not None else SourceScores()

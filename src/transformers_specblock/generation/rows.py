@@ -12,6 +12,7 @@ from transformers import DynamicCache, GenerationConfig, StoppingCriteriaList
 from transformers.generation import GenerateDecoderOnlyOutput
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria, MaxTimeCriteria
 
+from ..utils import CACHE_ARGUMENT
 from .candidate_generators import TreeCandidateGenerator
 
 
@@ -163,7 +164,7 @@ def batch_output(
         sequences=sequences,
         scores=_per_position([row.scores for row in rows]) if generation_config.output_scores else None,
         logits=_per_position([row.logits for row in rows]) if generation_config.output_logits else None,
-        past_key_values=cache,
+        **{CACHE_ARGUMENT: cache},
     )
 
 

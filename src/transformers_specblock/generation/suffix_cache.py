@@ -6,8 +6,11 @@ shared by all its `generate` calls (and batch rows): a suffix automaton (`genera
 requests, bounded by `suffix_cache_max_tokens` and `suffix_cache_max_requests` (oldest requests evicted first, and
 the index rebuilt from the rest). It is guarded by a lock, so threads serving one drafter may share it; it lives on
 the drafter object only, `save_pretrained` never writes it (it holds users' text): `save` / `load` do, when asked.
-The store belongs to the target it first served (a fingerprint of its input embedding): another target, whose
-token ids may mean other text, is refused until `reset`.
+The store holds token ids, so it belongs to a vocabulary, not to one set of weights: any target of the vocabulary it
+first served (the same size and special-token ids: the same model in another dtype, a fine-tune of the same tokenizer)
+shares it; a target of another vocabulary, whose ids mean other text, is refused until `reset`. Which targets share
+one tokenizer the models cannot tell (two tokenizers may have the same size): the memory is shared by exactly the
+targets the user serves with one drafter object.
 
 `SuffixCandidates` is one request's side: a matcher following its committed text through the store, and (with
 `suffix_local_num_tokens`) its own automaton over its prompt and answer so far. Each step it proposes the
@@ -24,12 +27,14 @@ import threading
 import weakref
 from collections import deque
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from .suffix_index import Matcher, SuffixAutomaton, draft_below
 
-STORE_FORMAT = "transformers-specblock-suffix-cache/1"
+STORE_FORMAT = "transformers-specblock-suffix-cache/2"
+OLDER_FORMATS = ("transformers-specblock-suffix-cache/1",)  # their fingerprint: [vocabulary size, embedding signs]
 RESYNC_TOKENS = 256  # a matcher re-matches at most this much of its context when the store's index changes
 MATCH_BUCKETS = (1, 2, 3, 4, 8, 16)  # a proposal's kind: the largest bucket <= match length
 
@@ -59,17 +64,16 @@ def match_bucket(length: int) -> int:
     return max(b for b in MATCH_BUCKETS if b <= length)
 
 
-def target_fingerprint(embedding: torch.nn.Module | None) -> list[int] | None:
-    """What identifies a target's vocabulary in practice, whatever its dtype: its size and the signs of a few
-    embedding rows (another tokenizer means another embedding; a cast to bfloat16 keeps every sign)."""
-    if embedding is None:
-        return None
-    weight = embedding.weight
-    vocab = weight.shape[0]
-    rows = torch.tensor([0, vocab // 3, (2 * vocab) // 3, vocab - 1], device=weight.device)
-    with torch.no_grad():
-        signs = (weight[rows, :16] > 0).flatten().tolist()
-    return [vocab, int("".join("1" if s else "0" for s in signs) or "0", 2)]
+def vocabulary_fingerprint(vocab_size: int, config: Any) -> list[int | None]:
+    """What identifies a vocabulary: its size and the ids of its special tokens (from the target's `config`, or the
+    drafter's, which copies them); a lone id list gives its first."""
+    ids = [getattr(config, f"{name}_token_id", None) for name in ("bos", "eos", "pad")]
+    return [vocab_size, *(i[0] if isinstance(i, list) and i else i if isinstance(i, int) else None for i in ids)]
+
+
+def same_vocabulary(stored: list[int | None], fingerprint: list[int | None]) -> bool:
+    """Whether two fingerprints name one vocabulary (an id a fingerprint lacks, None, matches any)."""
+    return all(a is None or b is None or a == b for a, b in zip(stored, fingerprint)) and stored[0] == fingerprint[0]
 
 
 class SuffixStore:
@@ -82,24 +86,26 @@ class SuffixStore:
         self.tokens = 0
         self.index = SuffixAutomaton()
         self.version = 0  # bumped whenever the index changes (matchers re-synchronise)
-        self.fingerprint: list[int] | None = None
+        self.fingerprint: list[int | None] | None = None
         self.pending: deque[list[int]] = deque()  # finished requests not indexed yet (see SuffixCandidates)
 
     def __len__(self) -> int:
         return len(self.requests)
 
-    def bind(self, fingerprint: list[int] | None) -> None:
-        """Tie the store to a target; refuse a store that holds another target's text."""
+    def bind(self, fingerprint: list[int | None] | None) -> None:
+        """Tie the store to a vocabulary (`vocabulary_fingerprint`); refuse a store that holds another vocabulary's
+        text."""
         with self.lock:
             self._flush()
             if fingerprint is None or fingerprint == self.fingerprint:
                 return
-            if self.requests:
+            if self.requests and self.fingerprint is not None and not same_vocabulary(self.fingerprint, fingerprint):
+                size, bos, eos, pad = self.fingerprint
                 raise ValueError(
-                    f"This drafter's suffix cache holds {len(self.requests)} requests served to another target (a "
-                    f"vocabulary of {self.fingerprint[0]} tokens, other embeddings) than this one (vocabulary "
-                    f"{fingerprint[0]}): its token ids may mean other text here. Call "
-                    "`suffix_cache_for(drafter).reset()` to serve this target, or use another drafter object."
+                    f"This drafter's suffix cache holds {len(self.requests)} requests served to a target of another "
+                    f"vocabulary ({size} tokens, bos/eos/pad ids {bos}/{eos}/{pad}) than this one ({fingerprint[0]} "
+                    f"tokens, {fingerprint[1]}/{fingerprint[2]}/{fingerprint[3]}): its token ids mean other text here. "
+                    "Call `suffix_cache_for(drafter).reset()` to serve this target, or use another drafter object."
                 )
             self.fingerprint = fingerprint
 
@@ -162,13 +168,16 @@ class SuffixStore:
         """Replace the memory with a file written by `save` (the bounds stay this store's)."""
         with open(path) as handle:
             data = json.load(handle)
-        if data.get("format") != STORE_FORMAT:
+        if data.get("format") not in (STORE_FORMAT, *OLDER_FORMATS):
             raise ValueError(f"{path} is not a suffix cache written by SuffixStore.save (format {STORE_FORMAT}).")
         self.reset()
+        fingerprint = data["fingerprint"]
+        if data["format"] in OLDER_FORMATS and fingerprint is not None:  # its vocabulary's size; no special ids
+            fingerprint = [fingerprint[0], None, None, None]
         with self.lock:
             for request in data["requests"]:
                 self._add(request)
-            self.fingerprint = data["fingerprint"]
+            self.fingerprint = fingerprint
 
 
 def _submit(store: SuffixStore, text: list[int], tail: list[int]) -> None:
@@ -207,7 +216,9 @@ class SuffixCandidates:
     dropped (the end of its `generate` call): its committed text up to the last draft and what the target accepted
     of that draft (all but the step's last token, unless the loop calls `finish` with the whole text)."""
 
-    def __init__(self, settings: SuffixSettings, store: SuffixStore | None, fingerprint: list[int] | None) -> None:
+    def __init__(
+        self, settings: SuffixSettings, store: SuffixStore | None, fingerprint: list[int | None] | None
+    ) -> None:
         self.settings = settings
         self.store = store if settings.suffix_cache_num_tokens else None
         if self.store is not None:

@@ -158,7 +158,7 @@ class _ForwardTimer:
         if self.cache is None:
             context = torch.randint(0, self.vocab, (self.batch_size, self.context_length), generator=self.generator)
             self.cache = DynamicCache()
-            target(context.to(device), past_key_values=self.cache, use_cache=True)
+            target(context.to(device), use_cache=True, **{CACHE_ARGUMENT: self.cache})
         visible = torch.ones(self.batch_size, self.context_length, dtype=torch.bool)
         tree = DraftTree.root_only(0, device)
         tree.add_nodes(
@@ -172,7 +172,7 @@ class _ForwardTimer:
             sync(device)
             start = self.clock()
             target(
-                trees.tokens.to(device), attention_mask=mask, past_key_values=self.cache, use_cache=True,
+                trees.tokens.to(device), attention_mask=mask, use_cache=True, **{CACHE_ARGUMENT: self.cache},
                 position_ids=(self.context_length + trees.depths).to(device),
             )  # fmt: skip
             sync(device)

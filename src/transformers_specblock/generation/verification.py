@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
+from ..utils import CACHE_ARGUMENT
 from .tree_batch import TreeBatch
 
 
@@ -50,7 +51,7 @@ def verify_trees(
         input_ids=trees.tokens.to(device),
         attention_mask=mask.to(device),
         position_ids=(root_positions[:, None].to(trees.depths.device) + trees.depths).to(device),
-        past_key_values=cache,
+        **{CACHE_ARGUMENT: cache},
         use_cache=True,
         output_hidden_states=feature_layers or False,
     )

@@ -34,9 +34,9 @@ from transformers.models.llama.modeling_llama import (
     rotate_half,
 )
 
-from ...utils import additive_mask
+from ...utils import CACHE_ARGUMENT, additive_mask
 from ..tree_drafter.checkpoint_io import PublishedCheckpointMixin
-from ..tree_drafter.generation_config import AUTO, TreeGenerationConfig
+from ..tree_drafter.generation_config import AUTO, DFlashGenerationConfig, TreeGenerationConfig
 from ..tree_drafter.modeling_tree_drafter import TreeDraftModel, _execution_device
 from .configuration_dflash import DFlashConfig, max_tree_nodes
 from .convert_dflash import convert_published_dflash, detect_dflash_layout, export_dflash
@@ -141,6 +141,7 @@ class DFlashDraftModel(PublishedCheckpointMixin, TreeDraftModel):
     """
 
     config_class = DFlashConfig
+    generation_config_class = DFlashGenerationConfig
     detect_published_layout = staticmethod(detect_dflash_layout)
     convert_published = staticmethod(convert_published_dflash)
     checkpoint_writers = {"dflash": export_dflash}
@@ -229,7 +230,7 @@ class DFlashDraftModel(PublishedCheckpointMixin, TreeDraftModel):
         for layer in self.layers:
             hidden_states = layer(hidden_states, context, position_embeddings, mask, past_key_values)
         hidden_states = self.norm(hidden_states).to(output_dtype)
-        return BaseModelOutputWithPast(last_hidden_state=hidden_states, past_key_values=past_key_values)
+        return BaseModelOutputWithPast(last_hidden_state=hidden_states, **{CACHE_ARGUMENT: past_key_values})
 
     @staticmethod
     def _attention_mask(attention_mask: torch.Tensor | None, q_len: int, dtype: torch.dtype) -> torch.Tensor | None:

@@ -31,8 +31,9 @@ from transformers.models.llama.modeling_llama import (
 )
 from transformers.utils import ModelOutput
 
-from ...utils import additive_mask
+from ...utils import CACHE_ARGUMENT, additive_mask
 from ..tree_drafter.checkpoint_io import PublishedCheckpointMixin
+from ..tree_drafter.generation_config import Eagle3GenerationConfig
 from ..tree_drafter.modeling_tree_drafter import TreeDraftModel
 from .configuration_eagle3 import Eagle3Config
 from .convert_eagle3 import convert_published_eagle3, detect_eagle3_layout, export_eagle3, export_speculators
@@ -162,7 +163,7 @@ class Eagle3DecoderLayer(nn.Module):
                 attn_input,
                 position_embeddings=position_embeddings,
                 attention_mask=attention_mask,
-                past_key_values=past_key_values,
+                **{CACHE_ARGUMENT: past_key_values},
             )
         hidden = residual + attn_out
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
@@ -173,6 +174,7 @@ class Eagle3DecoderLayer(nn.Module):
 # ---------------------------------------------------------------------------------------------------------------
 class Eagle3PreTrainedModel(PublishedCheckpointMixin, TreeDraftModel):
     config_class = Eagle3Config
+    generation_config_class = Eagle3GenerationConfig
     # published EAGLE-3 layouts (EAGLE, SpecForge / SGLang, vLLM speculators) in and out: see `convert_eagle3`
     detect_published_layout = staticmethod(detect_eagle3_layout)
     convert_published = staticmethod(convert_published_eagle3)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from transformers import PreTrainedModel
 
-from ..tree_drafter.generation_config import TreeGenerationConfig
+from ..tree_drafter.generation_config import LookupTreeGenerationConfig, TreeGenerationConfig
 from ..tree_drafter.modeling_tree_drafter import TreeDraftModel
 from .configuration_lookup_tree import LookupTreeConfig
 
@@ -22,6 +22,7 @@ class LookupTreeModel(TreeDraftModel):
     """
 
     config_class = LookupTreeConfig
+    generation_config_class = LookupTreeGenerationConfig
     # prompt lookup (10 tokens per chain), the n-gram cache (8) and the suffix cache (32 nodes), under "auto"
     generation_defaults = {"prompt_lookup_num_tokens": 10, "ngram_cache_num_tokens": 8, "suffix_cache_num_tokens": 32}
 

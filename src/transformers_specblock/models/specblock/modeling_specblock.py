@@ -13,9 +13,9 @@ from transformers.cache_utils import Cache
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm, LlamaRotaryEmbedding
 from transformers.utils import ModelOutput
 
-from ...utils import additive_mask, to_device
+from ...utils import CACHE_ARGUMENT, additive_mask, to_device
 from ..tree_drafter.checkpoint_io import PublishedCheckpointMixin
-from ..tree_drafter.generation_config import TreeGenerationConfig
+from ..tree_drafter.generation_config import SpecBlockGenerationConfig, TreeGenerationConfig
 from ..tree_drafter.modeling_tree_drafter import TreeDraftModel
 from .configuration_specblock import SpecBlockConfig
 from .convert_specblock import (
@@ -107,6 +107,7 @@ def rank_features(logits: torch.Tensor, top_k: int = 20, top1_over_vocab: bool =
 
 class SpecBlockPreTrainedModel(PublishedCheckpointMixin, TreeDraftModel):
     config_class = SpecBlockConfig
+    generation_config_class = SpecBlockGenerationConfig
     # the SpecBlock reference layout in and out: see `convert_specblock`
     detect_published_layout = staticmethod(detect_specblock_layout)
     convert_published = staticmethod(convert_published_specblock)
@@ -238,8 +239,8 @@ class SpecBlockDraftModel(SpecBlockPreTrainedModel):
                 h,
                 attention_mask=mask,
                 position_ids=slot_positions,
-                past_key_values=past_key_values,
                 use_cache=past_key_values is not None,
+                **{CACHE_ARGUMENT: past_key_values},
                 position_embeddings=position_embeddings,
             )
 

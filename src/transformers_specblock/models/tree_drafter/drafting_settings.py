@@ -1,6 +1,6 @@
-"""The decoding settings of a tree drafter as a model sees them: its `generation_config` (a `TreeGenerationConfig`),
-its class's defaults, the checks that depend on its architecture, and the three scopes of a change (for good, for a
-block of code, for one `generate` call)."""
+"""The decoding settings of a tree drafter as a model sees them: its `generation_config` (its family's
+`TreeGenerationConfig`), its class's defaults, the checks that depend on its architecture, and the three scopes of a
+change (for good, for a block of code, for one `generate` call)."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ class DraftingSettingsMixin:
     """`generation_config` handling of `TreeDraftModel` (mixed into it before `PreTrainedModel`)."""
 
     config: TreeDrafterConfig
-    generation_config: TreeGenerationConfig
+    generation_config_class: type[TreeGenerationConfig] = TreeGenerationConfig  # the family's decoding settings
     # this drafter class's decoding defaults, over `TreeGenerationConfig`'s (a checkpoint without
     # generation_config.json gets them)
     generation_defaults: dict[str, Any] = {}
@@ -40,7 +40,28 @@ class DraftingSettingsMixin:
                 "(saved as generation_config.json). Save the drafter again to move them there; config.json keys will "
                 "not be read in a future version."
             )
-        return TreeGenerationConfig(**{**cls.generation_defaults, **legacy})
+        return cls.generation_config_class(**{**cls.generation_defaults, **legacy})
+
+    @property
+    def generation_config(self) -> TreeGenerationConfig | None:
+        """The drafter's decoding settings (its family's `TreeGenerationConfig`, saved as generation_config.json)."""
+        return self.__dict__.get("_generation_config")
+
+    @generation_config.setter
+    def generation_config(self, settings: TreeGenerationConfig | None) -> None:
+        if settings is None and self.__dict__.get("_generation_config") is None:  # PreTrainedModel.__init__
+            return
+        if not isinstance(settings, TreeGenerationConfig):
+            raise TypeError(
+                f"{type(self).__name__}.generation_config holds its decoding settings, a "
+                f"{self.generation_config_class.__name__}, got {type(settings).__name__}. Change settings with "
+                "`drafter.generation_config.update(tree_budget=16)` or `drafter.set_drafting_settings(...)`; the "
+                "target's settings (max_new_tokens, do_sample, ...) go to `target.generate`."
+            )
+        if not isinstance(settings, self.generation_config_class):  # another family's class: its own settings, ours
+            settings = self.generation_config_class(**settings.drafting_settings())
+        self.check_drafting_settings(settings)
+        self.__dict__["_generation_config"] = settings
 
     def check_drafting_settings(self, settings: TreeGenerationConfig) -> None:
         """Raise a ValueError naming the first setting of `settings` this drafter cannot draft with (subclasses add
@@ -63,7 +84,7 @@ class DraftingSettingsMixin:
         updated = copy.deepcopy(self.generation_config)
         for name, value in settings.items():
             setattr(updated, name, value)
-        self.check_drafting_settings(updated)
+        updated.validate()  # the same checks and warnings as `update` and `save_pretrained`
         self.generation_config = updated
 
     def load_generation_config(self, pretrained_model_name_or_path: Any, **hub_kwargs: Any) -> None:
@@ -75,7 +96,7 @@ class DraftingSettingsMixin:
             return
         with open(path, encoding="utf-8") as f:
             written = json.load(f)
-        loaded = TreeGenerationConfig.from_pretrained(pretrained_model_name_or_path, **hub_kwargs)
+        loaded = self.generation_config_class.from_pretrained(pretrained_model_name_or_path, **hub_kwargs)
         for name in DRAFTING_SETTINGS:
             if name not in written:
                 setattr(loaded, name, getattr(self.generation_config, name))
@@ -103,6 +124,6 @@ class DraftingSettingsMixin:
             self.check_drafting_settings(self.generation_config)
             yield self
         finally:
-            self.generation_config = saved_generation_config
+            self.__dict__["_generation_config"] = saved_generation_config  # valid before: restored unchecked
             for name, value in saved.items():
                 setattr(self.config, name, value)

@@ -2,15 +2,21 @@
 
 A drafter's config (`TreeDrafterConfig`) describes its architecture and the target it reads; how it drafts (tree
 budget, "auto", the shape of its trees, free candidates, suffix cache, online adaptation, compiling) lives in its
-`generation_config`, a `TreeGenerationConfig`, as an assistant's decoding settings do in transformers. Like
-transformers' `GenerationConfig` (whose `num_beams` only beam search reads), one class holds every drafter's settings:
-each drafter reads the tree-shape settings that apply to it. `generate(..., assistant_model=
-drafter, tree_budget=16)` overrides a setting for one call; `drafter.tree_settings(tree_budget=16)` for a block.
+`generation_config`, as an assistant's decoding settings do in transformers: one class per drafter family
+(`SpecBlockGenerationConfig`, `Eagle3GenerationConfig`, `DFlashGenerationConfig`, `LookupTreeGenerationConfig`), each
+holding the settings every tree drafter reads and the tree-shape settings of its family. A setting of another family,
+or a field of transformers' `GenerationConfig` that a drafter never reads (`max_new_tokens`, `do_sample`: they belong
+to the target's `generate` call), draws a warning and is not saved. Every check runs in `validate()`, so
+`update`, `save_pretrained`, `from_pretrained` and per-call settings refuse an invalid value with the same message.
+`generate(..., assistant_model=drafter, tree_budget=16)` overrides a setting for one call;
+`drafter.tree_settings(tree_budget=16)` for a block.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
+import copy
+import warnings
+from typing import Any, Callable, ClassVar
 
 from transformers import GenerationConfig
 
@@ -72,6 +78,15 @@ DRAFTING_DEFAULTS: dict[str, Any] = {
     "compile_drafter": False,
 }
 DRAFTING_SETTINGS = tuple(DRAFTING_DEFAULTS)
+# the tree-shape settings of each drafter family (the other settings apply to every tree drafter with weights)
+SPECBLOCK_SHAPE_SETTINGS = (
+    "tree_construction", "context_feeding", "max_blocks", "max_followups", "block_expansion", "branch_widths",
+    "tree_policy", "fixed_width",
+)  # fmt: skip
+SHAPE_SETTINGS = (*SPECBLOCK_SHAPE_SETTINGS, "tree_top_k", "tree_depth")
+ADAPTATION_SETTINGS = tuple(name for name in DRAFTING_SETTINGS if "adaptation" in name)
+# fields of transformers' GenerationConfig that are bookkeeping, not settings
+_METADATA = ("transformers_version", "_from_model_config", "_commit_hash", "_original_object_hash")
 LIST_SETTINGS = ("auto_budget_candidates", "branch_widths")  # kept as lists (JSON reads a tuple back as a list)
 
 
@@ -208,12 +223,27 @@ class TreeGenerationConfig(GenerationConfig):
             see docs/benchmarks.md for where it pays.
     """
 
+    # the tree-shape settings this family reads (`SHAPE_SETTINGS` of other families keep their defaults), whether
+    # its drafters adapt online and whether they have a forward to compile
+    shape_settings: ClassVar[tuple[str, ...]] = SHAPE_SETTINGS
+    adapts: ClassVar[bool] = True
+    compiles: ClassVar[bool] = True
+
     def __init__(self, **kwargs: Any) -> None:
         settings = {name: kwargs.pop(name, default) for name, default in DRAFTING_DEFAULTS.items()}
         super().__init__(**kwargs)
         for name, value in settings.items():
             setattr(self, name, list(value) if name in LIST_SETTINGS else value)
-        self.validate_settings()
+        self.validate()
+
+    @classmethod
+    def applies(cls, name: str) -> bool:
+        """Whether drafters of this family read the drafting setting `name`."""
+        if name in SHAPE_SETTINGS:
+            return name in cls.shape_settings
+        if name in ADAPTATION_SETTINGS:
+            return cls.adapts
+        return cls.compiles or name != "compile_drafter"
 
     def drafting_settings(self, names: Any = DRAFTING_SETTINGS) -> dict[str, Any]:
         """{name: value} of the drafting settings `names` (all by default)."""
@@ -222,6 +252,50 @@ class TreeGenerationConfig(GenerationConfig):
     def changed_settings(self) -> dict[str, Any]:
         """{name: value} of the drafting settings that differ from the package's defaults (what a model card lists)."""
         return {name: value for name, value in self.drafting_settings().items() if value != DRAFTING_DEFAULTS[name]}
+
+    def validate(self, *args: Any, **kwargs: Any) -> None:
+        """transformers' checks, then the drafting settings' (a ValueError naming the first inconsistent one), then a
+        warning naming settings this family does not read. `save_pretrained`, `update` and `from_pretrained` call it."""
+        super().validate(*args, **kwargs)
+        if "tree_budget" not in self.__dict__:  # transformers' __init__ validates before the drafting settings exist
+            return
+        self.validate_settings()
+        unread = self.unread_settings()
+        if unread:
+            warnings.warn(
+                f"{type(self).__name__} does not read {unread}: they are settings of another drafter family or of the "
+                "target's generate call (pass max_new_tokens, do_sample, ... to target.generate); they are not saved.",
+                UserWarning,
+                stacklevel=3,
+            )
+
+    def unread_settings(self) -> list[str]:
+        """Settings set away from their defaults that drafters of this family never read."""
+        unread = [n for n in DRAFTING_SETTINGS if not self.applies(n) and getattr(self, n) != DRAFTING_DEFAULTS[n]]
+        stock = _stock_defaults()
+        return unread + [
+            name for name, value in self.__dict__.items()
+            if name in stock and name not in DRAFTING_DEFAULTS and name not in _METADATA and value not in stock[name]
+        ]  # fmt: skip
+
+    def update(self, **kwargs: Any) -> dict[str, Any]:
+        """`GenerationConfig.update`, all or nothing: a value `validate` refuses leaves the config as it was."""
+        before = copy.deepcopy(self.__dict__)
+        try:
+            return super().update(**kwargs)
+        except ValueError:
+            self.__dict__.clear()
+            self.__dict__.update(before)
+            raise
+
+    def to_dict(self) -> dict[str, Any]:
+        """`GenerationConfig.to_dict` without the settings this family does not read."""
+        return {name: value for name, value in super().to_dict().items() if not self._unread_key(name)}
+
+    def _unread_key(self, name: str) -> bool:
+        if name in DRAFTING_DEFAULTS:
+            return not self.applies(name)
+        return name in _stock_defaults() and name not in _METADATA
 
     def validate_settings(self) -> None:
         """Raise a ValueError naming the first inconsistent drafting setting."""
@@ -291,3 +365,46 @@ class TreeGenerationConfig(GenerationConfig):
                 raise ValueError(f"{name} must be a float > 0, got {rate!r}.")
         for name in ("adaptation_buffer_size", "adaptation_top_k", "adaptation_context"):
             check_count(name, getattr(self, name), 1)
+
+
+class SpecBlockGenerationConfig(TreeGenerationConfig):
+    """The decoding settings of a SpecBlock drafter: `TreeGenerationConfig`'s, with SpecBlock's tree shape (blocks,
+    follow-ups, rank-guided widths, tree construction and context feeding)."""
+
+    shape_settings = SPECBLOCK_SHAPE_SETTINGS
+
+
+class Eagle3GenerationConfig(TreeGenerationConfig):
+    """The decoding settings of an EAGLE-3 drafter: `TreeGenerationConfig`'s, with EAGLE's tree shape (`tree_top_k`,
+    `tree_depth`)."""
+
+    shape_settings = ("tree_top_k", "tree_depth")
+
+
+class DFlashGenerationConfig(TreeGenerationConfig):
+    """The decoding settings of a DFlash drafter: `TreeGenerationConfig`'s, with `tree_top_k` (candidates per block
+    position); no online adaptation."""
+
+    shape_settings = ("tree_top_k",)
+    adapts = False
+
+
+class LookupTreeGenerationConfig(TreeGenerationConfig):
+    """The decoding settings of the weightless lookup tree: the budget and the free candidates (prompt lookup, n-gram
+    cache, suffix cache); no tree shape, online adaptation or compiling."""
+
+    shape_settings = ()
+    adapts = compiles = False
+
+
+_STOCK_DEFAULTS: dict[str, list[Any]] = {}
+
+
+def _stock_defaults() -> dict[str, list[Any]]:
+    """Each field of transformers' `GenerationConfig` -> the values it holds unless a user set it: its unset value
+    and the global default `generate` fills in (computed once)."""
+    if not _STOCK_DEFAULTS:
+        stock = GenerationConfig()
+        filled = stock._get_default_generation_params()
+        _STOCK_DEFAULTS.update({name: [value, filled.get(name, value)] for name, value in stock.to_dict().items()})
+    return _STOCK_DEFAULTS

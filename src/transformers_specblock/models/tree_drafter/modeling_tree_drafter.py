@@ -62,7 +62,9 @@ class TreeDraftModel(DraftingSettingsMixin, PreTrainedModel):
         super().__init__(config, *args, **kwargs)
         self.__dict__["_target_embedding"] = None  # a weak reference to the target's embedding, once bound
         self.serving_states = ServingStates()  # what serving learns and keeps (`serving_state`), never saved
-        self.generation_config = self.default_generation_config(config)
+        # the class defaults, checked against the architecture when set or used (a drafter may be built with a draft
+        # vocabulary too small for them and given its own settings next)
+        self.__dict__["_generation_config"] = self.default_generation_config(config)
         self.last_stats = None
 
         # draft id -> target id, and which target ids the draft vocabulary holds (saved with the weights)
