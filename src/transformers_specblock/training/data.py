@@ -120,8 +120,13 @@ def load_conversations(source: str, limit: int | None = None) -> list[list[dict[
     """Chats as lists of ``{"role", "content"}`` messages.
 
     ``source``: ``"sharegpt"`` (packaged ShareGPT, train split: the held-out split is never trained on),
-    ``"sharegpt-heldout"`` (the held-out split, for evaluation) or a local JSON/JSONL file.
+    ``"sharegpt-heldout"`` (the held-out split, for evaluation), a local JSON/JSONL file, or a feature store folder
+    (`training.feature_store`: the conversations it holds, in its order).
     """
+    if os.path.isdir(source):
+        from .feature_store import store_conversations  # feature_store imports this module
+
+        return store_conversations(source, limit)
     if source in ("sharegpt", "sharegpt-train"):
         records = load_sharegpt_conversations("train")
     elif source == "sharegpt-heldout":

@@ -113,6 +113,8 @@ def precompute_features(
     """
     folder = Path(features_dir)
     text_config = target.config.get_text_config()
+    if (folder / FEATURES_INFO).is_file() and "store_format" in json.loads((folder / FEATURES_INFO).read_text()):
+        return _check_feature_store(folder, target, dataset, layer_ids, description or {})
     hidden = text_config.hidden_size
     identity = {
         "format": FEATURES_FORMAT,
@@ -206,6 +208,44 @@ def precompute_features(
         f"= {info['total_bytes'] / 2**20:.1f} MiB in {len(shards)} shard(s) under {folder} "
         f"({info['seconds']:.1f} s)."
     )
+    return info
+
+
+def _check_feature_store(
+    folder: Path, target: PreTrainedModel, dataset: datasets.Dataset, layer_ids: Sequence[int], description: dict
+) -> dict:
+    """A feature store (`training.feature_store`) is used as it is, once it fits this run: the target's shape, the
+    drafter's layers, ``max_length``, and the rendered training set (its first sequence, and no more sequences than
+    the store holds: shards that a running extraction adds later are simply not trained on)."""
+    info = json.loads((folder / FEATURES_INFO).read_text())
+    text_config = target.config.get_text_config()
+    expected = {
+        "target_vocab_size": text_config.vocab_size,
+        "target_hidden_size": text_config.hidden_size,
+        "target_num_hidden_layers": text_config.num_hidden_layers,
+        "target_model_type": text_config.model_type,
+        "target_layer_ids": list(layer_ids),
+        "max_length": description.get("max_length", info["max_length"]),
+    }
+    for key, value in expected.items():
+        if info.get(key) != value:
+            raise ValueError(
+                f"The feature store {folder} holds {key}={info.get(key)!r}, but this run needs {value!r}"
+                + (" (pass --max_length to match it)." if key == "max_length" else ".")
+            )
+    if str(target.dtype).removeprefix("torch.") != info["target_dtype"]:
+        logger.warning(f"The feature store {folder} was computed by a {info['target_dtype']} target; this one is "
+                       f"{target.dtype} (the draft vocabulary's soft labels come from the stored states).")  # fmt: skip
+    if len(dataset) > info["num_sequences"]:
+        raise ValueError(f"{len(dataset)} training sequences but the feature store {folder} holds {info['num_sequences']}.")
+    if len(dataset) and info["shards"]:
+        with safe_open(folder / info["shards"][0]["file"], framework="pt") as f:
+            end = int(f.get_slice("offsets")[1:2].item())
+            stored = f.get_slice("input_ids")[:end].tolist()
+        if list(dataset[0]["input_ids"]) != stored:
+            raise ValueError(f"The feature store {folder} holds other token ids than this tokenizer renders.")
+    logger.warning(f"Training on the feature store {folder}: {info['num_sequences']} sequences, {info['num_tokens']} "
+                   f"tokens ({info['bytes_per_token']} bytes/token).")  # fmt: skip
     return info
 
 
