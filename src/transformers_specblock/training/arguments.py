@@ -172,6 +172,17 @@ class DataArguments:
     overwrite_features: bool = field(
         default=False, metadata={"help": "Recompute features even if --features_dir holds features for other data."}
     )
+    feature_store: str | None = field(
+        default=None,
+        metadata={"help": "Train on a feature store (`training.feature_store`, e.g. built by `python -m "
+                  "transformers_specblock.commands.build_data`): its sequences and stored target features, so no "
+                  "step runs the target. Sets --dataset and --features_dir to it and --features precomputed."},
+    )
+
+    def __post_init__(self) -> None:
+        if self.feature_store is not None:
+            self.dataset = self.features_dir = self.feature_store
+            self.features = "precomputed"
 
 
 @dataclass
