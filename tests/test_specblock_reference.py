@@ -672,12 +672,12 @@ def test_tree_construction_is_checked(drafter, target):
 
 @pytest.mark.slow  # loads the packaged SmolLM2-135M-Instruct
 def test_smollm2_decoding_accepts_what_the_harness_accepted(one_thread):
-    """SmolLM2-135M-Instruct, float32 greedy, a drafter derived from the SpecBlock one shipped until 2026-12-04 (kept
-    as `fixtures/smollm2_decoding_drafter`) so that the reference can represent it (`tests/reference/smollm2_decoding.py`:
+    """SmolLM2-135M-Instruct, float32 greedy, a drafter derived from the shipped SpecBlock one (the package's own copy,
+    whose sha256 the fixture records) so that the reference can represent it (`tests/reference/smollm2_decoding.py`:
     rank-head biases dropped, top-1 rank feature within the top 20, follow-ups at block 1's positions), passed through
     the reference layout and loaded back. The harness's
     greedy loop (frozen: `fixtures/smollm2_decoding.json`, written by that script: each prompt set's first prompt and
-    HumanEval's third, where this package's own context feeding parts from the harness at the 14th step) and
+    HumanEval's third) and
     `generate` with `tree_construction="reference"` and `context_feeding="reference"` accept the same number of
     tokens at every step, and ours is the target's greedy."""
     import sys
@@ -685,9 +685,13 @@ def test_smollm2_decoding_accepts_what_the_harness_accepted(one_thread):
     from transformers_specblock import load_packaged_model, load_prompts
 
     sys.path.insert(0, str(Path(__file__).parent / "reference"))
-    from smollm2_decoding import FROZEN_DRAFTER, reference_compatible
+    from smollm2_decoding import FROZEN_DRAFTER, drafter_sha256, reference_compatible
 
     frozen = json.loads((FIXTURES / "smollm2_decoding.json").read_text())
+    assert frozen["drafter_sha256"] == drafter_sha256(), (
+        "The shipped SpecBlock drafter changed since fixtures/smollm2_decoding.json was written: rerun "
+        "tests/reference/smollm2_decoding.py (its docstring has the command) with a SpecBlock reference checkout."
+    )
     target, tokenizer = load_packaged_model("smollm2-135m-instruct")
     target = target.float()
     frozen_drafter = SpecBlockDraftModel.from_pretrained(FROZEN_DRAFTER, target=target, dtype=torch.float32).eval()

@@ -3,9 +3,10 @@ reference harness's greedy loop, with one drafter passed through both layouts.
 
 No drafter for SmolLM2 exists in the reference's layout, and the package's cannot be exported as they are (their rank
 head has biases and their top-1 rank feature is normalised over the whole draft vocabulary). `reference_compatible`
-derives one from the weights of the SpecBlock drafter shipped until 2026-12-04, kept as `fixtures/smollm2_decoding_drafter`
-(the drafter the frozen comparison was made with, whatever ships later): the rank-head biases dropped, the top-1 feature over the top 20 logits, follow-up
-blocks at block 1's positions (every other weight as shipped). It is exported with
+derives one from the weights of the shipped SpecBlock drafter (`specblock-smollm2-135m-instruct`, the package's own
+copy: no second copy of its weights is kept for this comparison; the fixture records their sha256, and a test that
+replays it asks for this script to be rerun when another drafter ships): the rank-head biases dropped, the top-1
+feature over the top 20 logits, follow-up blocks at block 1's positions (every other weight as shipped). It is exported with
 `save_pretrained(checkpoint_format="specblock_reference")`, loaded strictly by the reference's inference model for the
 harness and by `SpecBlockDraftModel.from_pretrained(..., target=)` here. Both then decode the same prompts (MT-Bench
 and HumanEval prompt sets shipped with the package, chat template applied): the harness at its defaults (two block
@@ -14,7 +15,7 @@ steps, 90 tree tokens, rank features over the top 10; `reference_decoding.harnes
 harness's way of feeding the drafter its context) and rank features over the top 10.
 
     PYTHONPATH=src python tests/reference/smollm2_decoding.py /path/to/SpecBlock \
-        --export_dir /tmp/specblock-smollm2-reference --output docs/results/specblock-reference-smollm2/decoding.json \
+        --output docs/results/specblock-reference-smollm2/decoding.json \
         --fixture tests/reference/fixtures/smollm2_decoding.json
 
 Both outputs are compared with the target's own greedy tokens, and step by step with each other (accepted counts).
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import hashlib
 import json
 import os
 import sys
@@ -37,9 +39,15 @@ from reference_code import load_harness_tree_module, load_reference  # noqa: E40
 from reference_decoding import harness_decode  # noqa: E402
 
 from transformers_specblock import SpecBlockDraftModel, load_prompts  # noqa: E402
+from transformers_specblock.hub import shipped_drafter_path  # noqa: E402
 from transformers_specblock.hub.loading import load_model  # noqa: E402
 
-FROZEN_DRAFTER = Path(__file__).parent / "fixtures" / "smollm2_decoding_drafter"  # the comparison's drafter
+FROZEN_DRAFTER = shipped_drafter_path("specblock-smollm2-135m-instruct")  # the comparison's drafter
+
+
+def drafter_sha256(folder: Path = FROZEN_DRAFTER) -> str:
+    """The sha256 of the comparison drafter's weights (the fixture was made with these)."""
+    return hashlib.sha256((folder / "model.safetensors").read_bytes()).hexdigest()
 
 
 def reference_compatible(drafter: SpecBlockDraftModel) -> SpecBlockDraftModel:
@@ -107,22 +115,24 @@ def main(argv: list[str] | None = None) -> int:
         })  # fmt: skip
         print(json.dumps({k: v for k, v in rows[-1].items() if not k.startswith("accepted")}), flush=True)
     result = {"target": "smollm2-135m-instruct", "dtype": "float32", "max_new_tokens": args.max_new_tokens,
-              "reference_commit": "b7938c556e5dc42236362dcc4eb37a1edb562c70", "rows": rows}  # fmt: skip
+              "reference_commit": "b7938c556e5dc42236362dcc4eb37a1edb562c70", "drafter_sha256": drafter_sha256(),
+              "rows": rows}  # fmt: skip
     write_json(result, Path(args.output))
     if args.fixture:
         write_json(fixture_of(result), Path(args.fixture))
     return 0
 
 
-REPLAYED = (("mt_bench", 0), ("humaneval", 0), ("humaneval", 2))  # each set's first prompt, and the one where
-# feeding the drafter this package's way instead of the harness's changes a step (the 14th)
+REPLAYED = (("mt_bench", 0), ("humaneval", 0), ("humaneval", 2))  # each set's first prompt, and HumanEval's third
+# (where, with the drafter shipped until 2026-12-04, feeding the drafter this package's way changed a step)
 
 
 def fixture_of(result: dict) -> dict:
     """What `tests/test_specblock_reference.py` replays: the harness's accepted counts on the `REPLAYED` prompts."""
     keys = ("prompt_set", "index", "accepted_harness")
     rows = [{k: row[k] for k in keys} for row in result["rows"] if (row["prompt_set"], row["index"]) in REPLAYED]
-    return {k: result[k] for k in ("target", "dtype", "max_new_tokens", "reference_commit")} | {"rows": rows}
+    keep = ("target", "dtype", "max_new_tokens", "reference_commit", "drafter_sha256")
+    return {k: result[k] for k in keep} | {"rows": rows}
 
 
 def write_json(data: dict, path: Path) -> None:
