@@ -274,6 +274,45 @@ def test_head_only_adaptation_runs_in_bfloat16(kind):
     assert all(p.dtype == torch.bfloat16 for p in drafter.parameters())
 
 
+@pytest.mark.parametrize("kind", ["specblock", "eagle3"])
+def test_a_bfloat16_drafter_serving_a_float32_target_keeps_and_saves_what_it_learnt(kind, tmp_path):
+    """The drafter drafts as a float32 copy for a float32 target; what that copy learns reaches the user's bfloat16
+    drafter after every call (so it outlives the target and is saved with save_adapted=True), while the copy keeps
+    serving at full precision; a plain save writes the loaded weights; outputs stay plain greedy's."""
+    target = make_target("llama", vocab_size=VOCAB, seed=2)
+    drafter = _drafter(kind, target, online_adaptation="always").to(torch.bfloat16)
+    loaded = _weights(drafter)
+    _serve(target, drafter, calls=3)
+    changed = [name for name, weight in drafter.named_parameters() if not torch.equal(weight, loaded[name])]
+    assert changed and all(p.dtype == torch.bfloat16 for p in drafter.parameters())
+    served = drafter.served_for(target)
+    assert served is not drafter and next(served.parameters()).dtype == torch.float32
+    assert served is drafter.served_for(target)  # the float32 copy is kept, not cast again from bfloat16
+    drafter.save_pretrained(tmp_path / "adapted", save_adapted=True)
+    drafter.save_pretrained(tmp_path / "loaded")
+    for folder, expected in (("adapted", _weights(drafter)), ("loaded", loaded)):
+        saved = _weights(type(drafter).from_pretrained(tmp_path / folder, dtype=torch.bfloat16))
+        assert all(torch.equal(saved[name], expected[name]) for name in expected), folder
+    del served, target
+    assert not any(torch.equal(w, loaded[n]) for n, w in drafter.named_parameters() if n in changed)  # outlives it
+    drafter.reset_adaptation()
+    assert all(torch.equal(w, loaded[n]) for n, w in drafter.named_parameters())
+
+
+@pytest.mark.parametrize("construction", ["reference", "package"])
+def test_trees_grown_as_the_reference_harness_grows_them_adapt_online(construction):
+    """The shipped SpecBlock drafter grows its trees as the authors' harness does (tree_construction="reference");
+    online adaptation works there too: the pruned, merged tree's nodes carry the states that proposed them, the
+    updates change the drafter, and the output stays plain greedy's."""
+    target = make_target("llama", vocab_size=VOCAB, seed=2)
+    drafter = make_drafter(target, tree_budget=16, tree_construction=construction, block_expansion="best_first",
+                           max_blocks=2, online_adaptation="always")  # fmt: skip
+    loaded = _weights(drafter)
+    assert _serve(target, drafter, calls=3) == ["full"] * 3
+    assert online_adapter_for(drafter, drafter.serving_state(target)).buffer  # the verified trees gave a signal
+    assert any(not torch.equal(w, loaded[n]) for n, w in drafter.named_parameters())
+
+
 # ------------------------------------------------------------------------------------------------ the policies
 def _bandit_run(arms, net_throughput, calls=60, rejected=(), rejected_first=0):
     """Serve `calls` synthetic calls: `net_throughput[arm]` = (tokens/s while decoding, update seconds); the held-out
@@ -763,12 +802,10 @@ def test_bad_settings_are_refused():
     unbound = SpecBlockDraftModel(drafter.config)
     with pytest.raises(ValueError, match="needs a drafter bound to its target.*bind_target"):
         online_adapter_for(unbound)
-    dflash = make_dflash(target, online_adaptation="head_only")
     with pytest.raises(ValueError, match="online_adaptation supports SpecBlock and EAGLE-3 drafters, not DFlash"):
-        target.generate(_prompt(0), assistant_model=dflash, max_new_tokens=4)
-    lookup = LookupTreeModel.from_target(target, online_adaptation="bandit")
-    with pytest.raises(ValueError, match="LookupTreeModel has no weights to adapt: set online_adaptation='off'"):
-        target.generate(_prompt(0), assistant_model=lookup, max_new_tokens=4)
+        make_dflash(target, online_adaptation="head_only")  # refused when set, not at the first generate
+    with pytest.raises(ValueError, match="LookupTreeModel has no weights to adapt.*set online_adaptation='off'"):
+        LookupTreeModel.from_target(target, online_adaptation="bandit")
 
 
 def test_signal_collection_is_charged_to_adaptation_not_to_the_trees(monkeypatch):
@@ -796,3 +833,25 @@ def test_signal_collection_is_charged_to_adaptation_not_to_the_trees(monkeypatch
     assert overhead.count >= 4 and overhead.mean(chooser.clock) < delay / 2  # the trees' cost: as measured
     steps = drafter.last_stats.iterations
     assert drafter.last_stats.adaptation.update_time_s >= delay * steps - 1e-9  # adaptation's, charged to its action
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["specblock-smollm2-135m-instruct", "eagle3-smollm2-135m-instruct"])
+def test_every_shipped_drafter_adapts_with_the_bandit_as_shipped(name):
+    """The shipped drafters (bfloat16, their shipped tree settings) load with online_adaptation="bandit" and adapt
+    while serving the packaged target in float32, as on a CPU without native bfloat16; output stays plain greedy's."""
+    from transformers_specblock import load_packaged_model
+
+    target, tokenizer = load_packaged_model("smollm2-135m-instruct", dtype="float32")
+    drafter_class = SpecBlockDraftModel if name.startswith("specblock") else Eagle3DraftModel
+    drafter = drafter_class.from_pretrained(name, online_adaptation="bandit", tree_budget=8)
+    updates = []
+    for question in ("Write a Python function that reverses a list.", "Name three uses of a hash map.") * 2:
+        inputs = tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
+                                               return_tensors="pt", return_dict=True)  # fmt: skip
+        plain = target.generate(**inputs, do_sample=False, max_new_tokens=24)
+        out = target.generate(**inputs, assistant_model=drafter, do_sample=False, max_new_tokens=24)
+        assert out.tolist() == plain.tolist()
+        report = drafter.last_stats.adaptation
+        updates += [(report.action, report.loss)] if report.action in ("head_only", "full") else []
+    assert updates and all(math.isfinite(loss) for _, loss in updates), updates  # the bandit trained on the signal

@@ -149,8 +149,10 @@ def tree_speculative_decoding(
     stats.drafter_time_s = _drafting_seconds(generators)
     per_row = [g.stats.accepted_by_source for g in generators]
     stats.accepted_by_source = {source: sum(counts[source] for counts in per_row) for source in per_row[0]}
-    if adapter is not None:  # update after the call's last token, timed inside the call
+    if adapter is not None:  # update after the call's last token, timed inside the call; the user's drafter takes
         stats.adaptation = copy.copy(adapter.finish_call(stats.new_tokens, time.perf_counter() - started, stats.tau))
+        if served is not drafter:  # what a cast copy learnt
+            state.write_back(drafter)
     stats.total_time_s = time.perf_counter() - started
     drafter.last_stats = stats
     if auto_budget is not None:  # what it learnt, for the next process (`auto_budget_cost_cache`)

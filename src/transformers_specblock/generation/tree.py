@@ -339,7 +339,11 @@ class HostTree:
         on the path from the root, NaN as -inf; ties to the older node)."""
         if len(self) - 1 <= budget:
             return self
-        return self._subtree(sorted(self.pruning_order()[: budget + 1]))
+        return self._subtree(self.kept_after_pruning(budget))
+
+    def kept_after_pruning(self, budget: int) -> list[int]:
+        """The nodes `prune(budget)` keeps, ascending (their indices in the pruned tree are their ranks here)."""
+        return sorted(self.pruning_order()[: budget + 1]) if len(self) - 1 > budget else list(range(len(self)))
 
     def free_part(self) -> "HostTree":
         """The root and the nodes a free source proposed (any bit but the drafter's), in order: the tree the free

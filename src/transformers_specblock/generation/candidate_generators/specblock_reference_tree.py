@@ -24,6 +24,9 @@ at 4 nodes 3 of the about 21 the harness drafts.
 The harness's tree may hold a token twice under one parent (a follow-up block from a mid-chain greedy node repeats
 block 1's next slot); here such siblings are merged after pruning (the accepted tokens are the same, the target
 verifies fewer nodes).
+
+With online adaptation on, each node of the pruned, merged tree is noted with the drafter state that proposed it
+(`note_producers`), as the package's own construction notes them.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ import time
 from typing import TYPE_CHECKING
 
 import numpy
+import torch
 
 from ..cache_utils import truncate_cache
 from ..tree import HostTree
@@ -72,12 +76,15 @@ def grow_reference_tree(generator: SpecBlockCandidateGenerator) -> HostTree:
     tree = HostTree.root_only()
     rnd = generator._read_round(*generator.root_block, [0], numpy.zeros((1, 0), dtype=bool))
     best_first = generator.block_expansion == "best_first"
+    producers = _Producers(generator.keep_producers)
     if best_first and generator.max_blocks == 1:
-        _grow_best_first(generator, tree, rnd, 0, first_block=True)
+        producers.note(rnd, _grow_best_first(generator, tree, rnd, 0, first_block=True), first_round=True)
         pending = []
     else:
         chain = _greedy_chain(tree, rnd, 0, 0)
-        pending = _order_pending(_add_alternatives(tree, rnd, 0, chain, branch_widths, first_block=True)[0])
+        new = _add_alternatives(tree, rnd, 0, chain, branch_widths, first_block=True)[0]
+        producers.note(rnd, _chain_nodes(chain, 0) + _alternative_nodes(new), first_round=True)
+        pending = _order_pending(new)
         first_off_class = next((c for c in rnd.classes[0] if c != 0), 0)
         if first_off_class != len(branch_widths) - 1 and (chain[-1], 0, k_slots - 1) not in pending:
             pending.append((chain[-1], 0, k_slots - 1))  # the chain end, unless the rank walk gives up
@@ -94,12 +101,13 @@ def grow_reference_tree(generator: SpecBlockCandidateGenerator) -> HostTree:
         local_entries, blocks = local_entries + num_slots * len(pending), blocks + len(pending)
         if best_first and depth == generator.max_blocks - 1:
             for block in range(len(pending)):
-                _grow_best_first(generator, tree, rnd, block, first_block=False)
+                producers.note(rnd, _grow_best_first(generator, tree, rnd, block, first_block=False), first_round=False)
             break
         chains = [_greedy_chain(tree, rnd, block, node) for block, (node, _, _) in enumerate(pending)]
         pending, ends = [], []
         for block, chain in enumerate(chains):
             new, stopped = _add_alternatives(tree, rnd, block, chain, branch_widths, first_block=False)
+            producers.note(rnd, _chain_nodes(chain, block) + _alternative_nodes(new), first_round=False)
             pending += new
             branching = {entry[2] for entry in new}
             if not stopped and k_slots - 1 not in branching:
@@ -109,18 +117,60 @@ def grow_reference_tree(generator: SpecBlockCandidateGenerator) -> HostTree:
             pending = _best(tree, pending, min(REFERENCE_BEAM_WIDTH, max(1, (budget - len(tree) + 1) // k_slots)))
     truncate_cache(generator.cache, generator.committed_entries)
     generator.stats.blocks_per_iteration.append(blocks)
-    merged = merge_equal_siblings(tree.prune(budget))
+    kept = tree.kept_after_pruning(budget)
+    merged, where = _merged_siblings(tree.prune(budget))
+    producers.hand_to(generator, kept, where, len(tree))
     generator._account(start, forwards=0)
     return merged
 
 
+class _Producers:
+    """With online adaptation on, the drafter state behind every node grown (`note`), handed to the generator with
+    the nodes' indices in the pruned, merged tree (`hand_to`)."""
+
+    def __init__(self, active: bool) -> None:
+        self.active = active
+        self.noted: list[tuple[torch.LongTensor, torch.Tensor, torch.LongTensor | None]] = []
+
+    def note(self, rnd: _Round, nodes: list[tuple[int, int, int]], first_round: bool) -> None:
+        """`nodes`: (node, block, slot) of the round `rnd` (block 1's slots are the root position's own outputs)."""
+        if not self.active or not nodes:
+            return
+        index = torch.tensor(nodes, device=rnd.hidden.device)
+        states = rnd.hidden[index[:, 1], index[:, 2]]
+        self.noted.append((index[:, 0], states, index[:, 2] if first_round else None))
+
+    def hand_to(self, generator: SpecBlockCandidateGenerator, kept: list[int], where: list[int], grown: int) -> None:
+        """Note the producers of the nodes that survived pruning (`kept`: grown indices, `where`: their index after
+        merging), as `note_producers` takes them."""
+        if not self.noted:
+            return
+        final = torch.full((grown,), -1, dtype=torch.long)
+        final[torch.tensor(kept)] = torch.tensor(where)
+        for nodes, states, slots in self.noted:
+            new = final[nodes.cpu()].to(nodes.device)
+            survived = new >= 0
+            generator.note_producers(new[survived], states[survived], slots[survived] if slots is not None else None)
+
+
+def _chain_nodes(chain: list[int], block: int) -> list[tuple[int, int, int]]:
+    return [(node, block, slot) for slot, node in enumerate(chain)]
+
+
+def _alternative_nodes(new: list[tuple[int, int, int, bool]]) -> list[tuple[int, int, int]]:
+    """The nodes `_add_alternatives` added (its greedy entries are the chain's)."""
+    return [(node, block, slot) for node, block, slot, greedy in new if not greedy]
+
+
 def _grow_best_first(generator: SpecBlockCandidateGenerator, tree: HostTree, rnd: _Round, block: int,
-                     first_block: bool) -> None:  # fmt: skip
+                     first_block: bool) -> list[tuple[int, int, int]]:  # fmt: skip
     """`block_expansion="best_first"`: the block's slots as a best-first tree, each slot offering the candidates the
-    harness's widths give it, at least its greedy one (the chain goes on past a give-up slot, as the harness's does)."""
+    harness's widths give it, at least its greedy one (the chain goes on past a give-up slot, as the harness's does).
+    Returns (node, block, slot) of each new node."""
     probs = [math.exp(slot[0]) for slot in rnd.log_probs[block]]
     widths, _ = slot_widths(probs, rnd.classes[block], generator.branch_widths, first_block)
-    generator.grow_block_best_first(tree, rnd, block, [max(1, width) for width in widths])
+    grown = generator.grow_block_best_first(tree, rnd, block, [max(1, width) for width in widths])
+    return [(node, block, slot) for node, slot in grown]
 
 
 def _greedy_chain(tree: HostTree, rnd: _Round, block: int, parent: int) -> list[int]:
@@ -168,6 +218,11 @@ def _best(tree: HostTree, pending: list[tuple[int, int, int]], keep: int) -> lis
 
 def merge_equal_siblings(tree: HostTree) -> HostTree:
     """`tree` with siblings of one token merged into the first (its score the best of theirs; children moved)."""
+    return _merged_siblings(tree)[0]
+
+
+def _merged_siblings(tree: HostTree) -> tuple[HostTree, list[int]]:
+    """`merge_equal_siblings`, and where each node of `tree` went."""
     out = HostTree.root_only(tree.tokens[0])
     where, children = [0], {}
     for node in range(1, len(tree)):
@@ -178,4 +233,4 @@ def merge_equal_siblings(tree: HostTree) -> HostTree:
         else:
             children[key] = out.add_node(tree.tokens[node], parent, tree.scores[node])
         where.append(children[key])
-    return out
+    return out, where

@@ -143,8 +143,8 @@ class SpecBlockDraftModel(SpecBlockPreTrainedModel):
     tree_constructions = ("package", "reference")  # "reference": `specblock_reference_tree`
 
     def check_drafting_settings(self, settings: TreeGenerationConfig) -> None:
-        """One branch width per rank class, every width within the draft vocabulary; reference-built trees are not
-        online-adapted (their nodes are merged after drafting)."""
+        """One branch width per rank class, every width within the draft vocabulary; the reference harness's context
+        feeding is not online-adapted (its replayed context is not the package's)."""
         super().check_drafting_settings(settings)
         classes, vocab = self.config.num_rank_classes, self.config.draft_vocab_size
         if len(settings.branch_widths) != classes or max(settings.branch_widths) > vocab:
@@ -154,8 +154,6 @@ class SpecBlockDraftModel(SpecBlockPreTrainedModel):
             )
         if settings.fixed_width > vocab:
             raise ValueError(f"fixed_width must lie in [1, draft_vocab_size={vocab}], got {settings.fixed_width}.")
-        if settings.tree_construction == "reference" and settings.online_adaptation != "off":
-            raise ValueError('tree_construction="reference" drafts without online adaptation: set online_adaptation="off".')
         if settings.context_feeding == "reference" and settings.online_adaptation != "off":
             raise ValueError('context_feeding="reference" drafts without online adaptation: set online_adaptation="off".')
 

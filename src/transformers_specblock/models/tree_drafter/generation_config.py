@@ -228,6 +228,7 @@ class TreeGenerationConfig(GenerationConfig):
     shape_settings: ClassVar[tuple[str, ...]] = SHAPE_SETTINGS
     adapts: ClassVar[bool] = True
     compiles: ClassVar[bool] = True
+    no_adaptation: ClassVar[str] = ""  # why a family that does not adapt does not
 
     def __init__(self, **kwargs: Any) -> None:
         settings = {name: kwargs.pop(name, default) for name, default in DRAFTING_DEFAULTS.items()}
@@ -271,7 +272,8 @@ class TreeGenerationConfig(GenerationConfig):
 
     def unread_settings(self) -> list[str]:
         """Settings set away from their defaults that drafters of this family never read."""
-        unread = [n for n in DRAFTING_SETTINGS if not self.applies(n) and getattr(self, n) != DRAFTING_DEFAULTS[n]]
+        unread = [n for n in DRAFTING_SETTINGS if not self.applies(n) and getattr(self, n) != DRAFTING_DEFAULTS[n]
+                  and n != "online_adaptation"]  # (refused where it does not apply)  # fmt: skip
         stock = _stock_defaults()
         return unread + [
             name for name, value in self.__dict__.items()
@@ -359,6 +361,8 @@ class TreeGenerationConfig(GenerationConfig):
 
     def _validate_adaptation_settings(self) -> None:
         check_choice("online_adaptation", self.online_adaptation, ADAPTATION_POLICIES)
+        if not self.adapts and self.online_adaptation != "off":
+            raise ValueError(f"{self.no_adaptation}: set online_adaptation='off'.")
         for name in ("adaptation_learning_rate", "adaptation_head_learning_rate"):
             rate = getattr(self, name)
             if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not rate > 0:
@@ -387,6 +391,10 @@ class DFlashGenerationConfig(TreeGenerationConfig):
 
     shape_settings = ("tree_top_k",)
     adapts = False
+    no_adaptation = (
+        "online_adaptation supports SpecBlock and EAGLE-3 drafters, not DFlash drafters (they draft with the target's "
+        "own output layer)"
+    )
 
 
 class LookupTreeGenerationConfig(TreeGenerationConfig):
@@ -395,6 +403,7 @@ class LookupTreeGenerationConfig(TreeGenerationConfig):
 
     shape_settings = ()
     adapts = compiles = False
+    no_adaptation = "LookupTreeModel has no weights to adapt (its free candidates learn their scores while serving)"
 
 
 _STOCK_DEFAULTS: dict[str, list[Any]] = {}

@@ -69,13 +69,35 @@ class ServingState:
         if all(t.device == device and (not t.is_floating_point() or t.dtype == dtype) for t in tensors):
             self._cast = None
             return drafter
-        key = (str(device), dtype, *((t.data_ptr(), t._version) for t in tensors))
+        key = _weights_key(drafter, device, dtype)
         if self._cast is None or self._cast[0] != key:
             self._cast = (key, cast_copy(drafter, device, dtype))
         served = self._cast[1]
         # one set of settings (`tree_settings` and per-call overrides reach both)
         served.config, served.generation_config = drafter.config, drafter.generation_config
         return served
+
+    @torch.no_grad()
+    def write_back(self, drafter: nn.Module) -> bool:
+        """Online adaptation updates the drafter that drafts; where that is a cast copy, the user's `drafter` takes
+        the weights it changed (in its own dtype and device; the weights it was loaded with are remembered first, for
+        `reset_adaptation` and `save_pretrained`), and the copy stays the one served (its precision is kept across
+        calls). Returns whether a weight changed."""
+        if self._cast is None:
+            return False
+        key, served = self._cast
+        pairs = [
+            (mine, theirs.to(device=mine.device, dtype=mine.dtype))
+            for mine, theirs in zip(drafter.parameters(), served.parameters())
+        ]
+        changed = [(mine, new) for mine, new in pairs if not torch.equal(mine, new)]
+        if changed:
+            drafter.remember_loaded_weights()
+            for mine, new in changed:
+                mine.copy_(new)
+            device, dtype = key[0], key[1]
+            self._cast = (_weights_key(drafter, torch.device(device), dtype), served)
+        return bool(changed)
 
 
 class ServingStates:
@@ -139,6 +161,11 @@ class ServingStates:
 
     def __reduce__(self) -> tuple[type, tuple]:
         return ServingStates, ()
+
+
+def _weights_key(drafter: nn.Module, device: torch.device, dtype: torch.dtype) -> tuple:
+    """What a cast copy was made from: the device, the dtype and the drafter's tensors as they are now."""
+    return (str(device), dtype, *((t.data_ptr(), t._version) for t in [*drafter.parameters(), *drafter.buffers()]))
 
 
 def cast_copy(module: nn.Module, device: torch.device, dtype: torch.dtype) -> nn.Module:
