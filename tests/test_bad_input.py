@@ -8,6 +8,7 @@ import pytest
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
+from transformers import GenerationConfig
 
 import transformers_specblock
 from conftest import make_drafter, make_target
@@ -365,3 +366,51 @@ def test_stock_assisted_decoding_after_uninstall_says_what_to_do(target, drafter
         transformers_specblock.install()
     assert not hasattr(drafter, "generate")  # transformers' hasattr checks still see no generation method
     assert target.generate(PROMPT, assistant_model=drafter, max_new_tokens=3, do_sample=False).shape[1] == 9
+
+
+# -------------------------------------------------------------------------------------------------------------------
+# transformers' own assisted-decoding settings and a drafter's generation config
+# -------------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("route", ROUTES)
+def test_num_assistant_tokens_is_the_tree_budget_and_the_chain_only_settings_are_refused(target, drafter, route):
+    """`num_assistant_tokens` (tokens drafted per step) sets a fixed tree budget for the call; the confidence
+    threshold and the length schedule of a chain drafter are refused with what to use instead."""
+    plain = target.generate(PROMPT, max_new_tokens=8, do_sample=False)
+    out = run(route, target, drafter, max_new_tokens=8, do_sample=False, num_assistant_tokens=3)
+    assert torch.equal(out, plain)
+    assert max(drafter.last_stats.nodes_per_iteration) <= 3 < drafter.generation_config.tree_budget
+    with pytest.raises(ValueError, match="both set the nodes drafted per step"):
+        run(route, target, drafter, num_assistant_tokens=3, tree_budget=5)
+    with pytest.raises(ValueError, match="assistant_confidence_threshold.*tree_budget"):
+        run(route, target, drafter, assistant_confidence_threshold=0.2)
+    with pytest.raises(ValueError, match="num_assistant_tokens_schedule.*auto"):
+        run(route, target, drafter, num_assistant_tokens_schedule="heuristic")
+
+
+def test_an_invalid_setting_is_refused_at_update_and_save_and_never_written(drafter, tmp_path):
+    settings = drafter.generation_config
+    with pytest.raises(ValueError, match='tree_budget must be a positive int or "auto"'):
+        settings.update(tree_budget=0, max_blocks=1)
+    assert settings.tree_budget == 32 and settings.max_blocks == 2  # all or nothing
+    settings.tree_budget = 0  # set around the checks: refused when saved, nothing written
+    with pytest.raises(ValueError, match='tree_budget must be a positive int or "auto"'):
+        drafter.save_pretrained(tmp_path / "bad")
+    assert not (tmp_path / "bad" / "generation_config.json").exists()
+    settings.tree_budget = 32
+    with pytest.raises(TypeError, match="SpecBlockGenerationConfig.*generation_config.update"):
+        drafter.generation_config = GenerationConfig(max_new_tokens=5)
+
+
+def test_settings_a_drafter_never_reads_warn_and_are_not_saved(target, tmp_path):
+    from test_eagle3 import make_eagle3
+
+    eagle = make_eagle3(target)
+    with pytest.warns(UserWarning, match=r"Eagle3GenerationConfig does not read \['branch_widths'\]"):
+        eagle.set_drafting_settings(branch_widths=[1, 2, 3, 4])
+    with pytest.warns(UserWarning, match=r"does not read .*'max_new_tokens'.*target.generate"):
+        eagle.generation_config.update(max_new_tokens=5)
+    with pytest.warns(UserWarning):
+        eagle.save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "generation_config.json").read_text())
+    assert {"branch_widths", "max_new_tokens", "max_blocks"}.isdisjoint(saved) and saved["tree_depth"] == 7
+    assert type(type(eagle).from_pretrained(tmp_path).generation_config).__name__ == "Eagle3GenerationConfig"

@@ -336,3 +336,23 @@ def test_auto_budget_falls_as_the_batch_grows(cost, reaches_zero):
     assert chosen == sorted(chosen, reverse=True), chosen
     assert chosen[0] > 0
     assert (chosen[-1] == 0) == reaches_zero, chosen
+
+
+def test_the_statistics_come_with_the_output_per_row():
+    """return_dict_in_generate=True gives transformers' fields and the call's drafting statistics, one report per
+    row in the user's order; `drafter.last_stats` is the same object."""
+    from transformers_specblock import TreeGenerateOutput
+
+    target = make_target("llama", vocab_size=64, seed=3)
+    drafter = make_drafter(target, tree_budget=8)
+    prompts = torch.tensor([[0, 5, 9, 3, 17, 4], [0, 8, 8, 1, 2, 30]])
+    out = target.generate(prompts, assistant_model=drafter, do_sample=False, max_new_tokens=7,
+                          return_dict_in_generate=True, output_scores=True)  # fmt: skip
+    assert isinstance(out, TreeGenerateOutput) and out.drafting_stats is drafter.last_stats
+    assert torch.equal(out.sequences, target.generate(prompts, do_sample=False, max_new_tokens=7))
+    stats = out.drafting_stats
+    assert len(stats.rows) == 2 and sum(row.new_tokens for row in stats.rows) == stats.new_tokens == 14
+    assert sum(len(row.accepted_per_iteration) for row in stats.rows) == stats.iterations
+    assert sorted(a for row in stats.rows for a in row.accepted_per_iteration) == sorted(stats.accepted_per_iteration)
+    assert all(row.tau >= 1 for row in stats.rows) and len(out.scores) == 7
+    assert stats.as_dict()["rows"][0]["new_tokens"] == 7

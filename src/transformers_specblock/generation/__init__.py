@@ -13,9 +13,10 @@ from .candidate_generators import (
     TreeCandidateGenerator,
     get_candidate_generator,
 )
-from .decoding import SpecBlockStats, tree_speculative_decoding
+from .decoding import tree_speculative_decoding
 from .integration import generate, install, uninstall
 from .logits_process import TreeLogitsProcessor
+from .stats import RowStats, SpecBlockStats, TreeGenerateOutput
 from .target_cost import TargetCost, measure_target_cost
 from .tree import DraftTree, tree_verification_mask
 from .tree_batch import TreeBatch
@@ -28,7 +29,9 @@ __all__ = [
     "DraftingStats",
     "Eagle3CandidateGenerator",
     "SpecBlockCandidateGenerator",
+    "RowStats",
     "SpecBlockStats",
+    "TreeGenerateOutput",
     "TargetCost",
     "TreeCandidateGenerator",
     "TreeBatch",

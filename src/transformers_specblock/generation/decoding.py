@@ -13,19 +13,18 @@ from __future__ import annotations
 
 import copy
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from transformers import DynamicCache, GenerationConfig, LogitsProcessorList, PreTrainedModel, StoppingCriteriaList
-from transformers.generation import GenerateDecoderOnlyOutput
 from transformers.generation.streamers import BaseStreamer
 
 from ..models.tree_drafter.generation_config import AUTO, TreeGenerationConfig
 from ..models.tree_drafter.modeling_tree_drafter import TreeDraftModel
 from ..utils import CACHE_ARGUMENT, sync, to_device
 from .acceptance import greedy_accept_rows, kept_rows, sample_accept
-from .adaptation import AdaptationReport, OnlineAdapter, online_adapter_for
+from .adaptation import OnlineAdapter, online_adapter_for
 from .auto_choosers import auto_budget_for, save_chooser
 from .budget import PLAIN, AutoBudget
 from .cache_utils import compact_cache, full_attention_cache, repack_cache
@@ -33,6 +32,7 @@ from .candidate_generators import TreeCandidateGenerator, get_candidate_generato
 from .input_checks import check_inputs, generation_cache
 from .logits_process import TreeLogitsProcessor
 from .rows import HostStopRule, Row, batch_output, commit, host_stop_rule, record
+from .stats import RowStats, SpecBlockStats, TreeGenerateOutput
 from .tree import DraftTree
 from .tree_batch import TreeBatch, kept_index
 from .verification import target_features, verify_trees
@@ -41,41 +41,6 @@ REPACK_MIN_HOLES = 16  # cache columns every row hides before they are dropped (
 
 
 CATCH_UP_POSITIONS = 16  # a read this long measures the drafter's cost per position (a shorter one, its fixed cost)
-STATS_SCHEMA = 2  # the layout of `SpecBlockStats.as_dict()`
-
-
-@dataclass
-class SpecBlockStats:
-    """Statistics of the last `generate` call, stored on the drafter as `drafter.last_stats`; reports of optional
-    features nest (`adaptation`), and `as_dict()` gives the whole as plain nested dicts."""
-
-    iterations: int = 0  # verified trees (a batch verifies one tree per live row in each target forward)
-    target_forwards: int = 0  # verification forwards (the prefill not counted)
-    new_tokens: int = 0  # over all rows
-    accepted_per_iteration: list[int] = field(default_factory=list)  # tokens committed per verified tree
-    nodes_per_iteration: list[int] = field(default_factory=list)  # drafted nodes per verified tree
-    drafter_forwards: int = 0
-    drafter_time_s: float = 0.0
-    target_time_s: float = 0.0
-    total_time_s: float = 0.0
-    accepted_by_source: dict[str, int] = field(default_factory=dict)  # accepted drafted tokens each source proposed
-    adaptation: AdaptationReport = field(default_factory=AdaptationReport)  # online adaptation (action "off": none)
-
-    @property
-    def tau(self) -> float:
-        """Mean accepted length: (accepted draft tokens + 1 target token) per verification."""
-        return sum(self.accepted_per_iteration) / max(1, self.iterations)
-
-    @property
-    def drafting_share(self) -> float:
-        """T_D / (T_D + T_M)."""
-        return self.drafter_time_s / max(1e-12, self.drafter_time_s + self.target_time_s)
-
-    def as_dict(self) -> dict[str, Any]:
-        """Every field (the nested reports as nested dicts) and the derived `tau` and `drafting_share`, for logging;
-        `schema` numbers the layout (it changes only when a field is renamed or removed)."""
-        return {"schema": STATS_SCHEMA, **asdict(self), "tau": self.tau, "drafting_share": self.drafting_share}
-
 
 def tree_speculative_decoding(
     model: PreTrainedModel,
@@ -87,7 +52,7 @@ def tree_speculative_decoding(
     streamer: BaseStreamer | None = None,
     assistant_model: TreeDraftModel | None = None,
     **model_kwargs: Any,
-) -> GenerateDecoderOnlyOutput | torch.LongTensor:
+) -> TreeGenerateOutput | torch.LongTensor:
     """Decode a batch with a tree drafter; same arguments and outputs as `_assisted_decoding`.
 
     Every row drafts its own tree (its own candidate generator: drafter cache, queued context, free candidates);
@@ -118,6 +83,7 @@ def tree_speculative_decoding(
     )  # fmt: skip
     started = time.perf_counter()
 
+    loop.stats.rows = [RowStats() for _ in generators]
     rows, visible = loop.prefill(input_ids, model_kwargs.get("attention_mask"), generators)
     if streamer is not None:
         streamer.put(rows[0].sequence[-1:].cpu())
@@ -144,6 +110,10 @@ def tree_speculative_decoding(
     for row in rows:  # the suffix store remembers every row's whole text
         row.generator.finish(row.committed)
     stats = loop.stats
+    for row, row_stats in zip(rows, stats.rows):
+        row_stats.new_tokens = row.sequence.numel() - input_ids.shape[1]
+        row_stats.drafter_forwards = row.generator.stats.drafter_forwards
+        row_stats.drafter_time_s = row.generator.stats.drafter_time_s
     stats.new_tokens = sum(row.sequence.numel() for row in rows) - len(rows) * input_ids.shape[1]
     stats.drafter_forwards = sum(g.stats.drafter_forwards for g in generators)
     stats.drafter_time_s = _drafting_seconds(generators)
@@ -158,7 +128,7 @@ def tree_speculative_decoding(
     if auto_budget is not None:  # what it learnt, for the next process (`auto_budget_cost_cache`)
         save_chooser(auto_budget)
     # a batch's cache holds rows that left and holes: only a single row's cache can be decoded on from
-    return batch_output(rows, generation_config, loop.cache if len(rows) == 1 else None)
+    return batch_output(rows, generation_config, loop.cache if len(rows) == 1 else None, stats)
 
 
 @dataclass
@@ -298,6 +268,9 @@ class _Loop:
         self.stats.iterations += len(live)
         self.stats.nodes_per_iteration += [tree.num_drafted for tree in trees]
         self.stats.accepted_per_iteration += lengths
+        for row, tree, n in zip(live, trees, lengths):
+            self.stats.rows[row.index].nodes_per_iteration.append(tree.num_drafted)
+            self.stats.rows[row.index].accepted_per_iteration.append(n)
         counts = commit(live, [new_tokens[i, :n] for i, n in enumerate(lengths)], list(kept_scores),
                         self.stopping_criteria, host_tokens, self.host_stop_rule)  # fmt: skip
         for i, (row, n, count) in enumerate(zip(live, lengths, counts)):

@@ -36,16 +36,18 @@ STOCK_ASSISTANT_SETTINGS = {"num_assistant_tokens": 20, "assistant_confidence_th
                             "num_assistant_tokens_schedule": "constant"}  # fmt: skip
 
 
-def drafting_overrides(generation_config: GenerationConfig) -> dict[str, Any]:
+def drafting_overrides(generation_config: GenerationConfig, passed: dict[str, Any] | None = None) -> dict[str, Any]:
     """The drafter settings one `generate` call asks for: this package's own keyword arguments (`DRAFTING_SETTINGS`,
     carried on the call's generation config), the stock ones of `STOCK_SETTINGS` that were set, and
     `num_assistant_tokens` (tokens drafted per step: a fixed `tree_budget` of that many nodes). The other stock
-    assisted-decoding settings, which a tree drafter cannot honour, are refused."""
+    assisted-decoding settings, which a tree drafter cannot honour, are refused. `passed`: drafting settings the
+    patch-free route took from `generate`'s keyword arguments itself."""
     overrides = {
         name: getattr(generation_config, name)
         for name in DRAFTING_SETTINGS
         if name in generation_config.__dict__ and name not in STOCK_SETTINGS
     }
+    overrides.update(passed or {})
     for stock, name in STOCK_SETTINGS.items():
         if getattr(generation_config, stock, None) is not None:
             overrides[name] = getattr(generation_config, stock)
@@ -249,7 +251,7 @@ def _custom_decoding(
         raise ValueError("SpecBlock drafting works with greedy decoding and sampling only: set num_beams=1.")
     if streamer is not None:
         streamer.put(input_ids.cpu())
-    with serving(assistant_model, {**drafting_overrides(generation_config), **(overrides or {})}):
+    with serving(assistant_model, drafting_overrides(generation_config, overrides)):
         return tree_speculative_decoding(
             model, input_ids, logits_processor, stopping_criteria, generation_config,
             streamer=streamer, assistant_model=assistant_model, **model_kwargs,

@@ -9,11 +9,11 @@ from dataclasses import dataclass, field
 
 import torch
 from transformers import DynamicCache, GenerationConfig, StoppingCriteriaList
-from transformers.generation import GenerateDecoderOnlyOutput
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria, MaxTimeCriteria
 
 from ..utils import CACHE_ARGUMENT
 from .candidate_generators import TreeCandidateGenerator
+from .stats import SpecBlockStats, TreeGenerateOutput
 
 
 @dataclass
@@ -147,11 +147,11 @@ def record(row: Row, generation_config: GenerationConfig, processed: torch.Tenso
 
 
 def batch_output(
-    rows: list[Row], generation_config: GenerationConfig, cache: DynamicCache | None
-) -> GenerateDecoderOnlyOutput | torch.LongTensor:
+    rows: list[Row], generation_config: GenerationConfig, cache: DynamicCache | None, stats: SpecBlockStats
+) -> TreeGenerateOutput | torch.LongTensor:
     """The rows' sequences in the user's order, padded as transformers pads finished rows (`pad_token_id`, else
     the EOS token, else 0); with `return_dict_in_generate`, one [B, V] score / logit entry per generated position
-    (zeros for rows that had already finished)."""
+    (zeros for rows that had already finished) and the call's `drafting_stats`."""
     rows = sorted(rows, key=lambda row: row.index)
     length = max(row.sequence.numel() for row in rows)
     pad = generation_config._pad_token_tensor
@@ -160,8 +160,9 @@ def batch_output(
                              for row in rows])  # fmt: skip
     if not generation_config.return_dict_in_generate:
         return sequences
-    return GenerateDecoderOnlyOutput(
+    return TreeGenerateOutput(
         sequences=sequences,
+        drafting_stats=stats,
         scores=_per_position([row.scores for row in rows]) if generation_config.output_scores else None,
         logits=_per_position([row.logits for row in rows]) if generation_config.output_logits else None,
         **{CACHE_ARGUMENT: cache},
