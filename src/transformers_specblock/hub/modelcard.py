@@ -189,7 +189,7 @@ def _training_section(training: dict[str, Any], settings: dict[str, Any]) -> str
                      "optimizer steps")  # fmt: skip
     cpu = [r["train_cpu_minutes"] for r in runs if r.get("train_cpu_minutes") is not None]
     wall = sum(r.get("train_time_minutes") or 0.0 for r in runs)
-    time = f"- Time: {wall / 60:.1f} hours of training (wall clock)"
+    time = f"- Time: {wall / 60:.1f} hours of training (wall clock)" if wall >= 60 else f"- Time: {wall:.0f} minutes of training (wall clock)"
     if cpu:
         time += f", {sum(cpu) / 60:.1f} CPU-hours (process CPU time" + (
             f", recorded for {len(cpu)} of the {len(runs)} runs" if len(cpu) < len(runs) else ""
@@ -278,8 +278,8 @@ def row_from_benchmark(
         "dataset": run["dataset"],
         "prompts": run["num_prompts"],
         "max_new_tokens": run["max_new_tokens"],
-        "speedup_vs_plain": round(measured["speedup"], 3),
-        "tau": round(measured["tau"], 3),
+        "speedup_vs_plain": round(measured["speedup"], 4),
+        "tau": round(measured["tau"], 4),
         "tokens_per_s": round(measured["tokens_per_s"], 2),
         "identical_to_plain_greedy": measured["identical_to_reference"],
         "setting": setting,
@@ -306,7 +306,7 @@ def _metadata_results(evaluation: list[dict[str, Any]]) -> list[EvalResult]:
                     dataset_type=row["dataset"],
                     dataset_name=f"{row['dataset']} ({row.get('prompts', '?')} prompts)",
                     metric_type=metric,
-                    metric_value=round(float(row[metric]), 3),
+                    metric_value=round(float(row[metric]), 4),
                     metric_name=f"{name}, {row['setting']}",
                     metric_config=row.get("results"),  # the results file the figure was read from
                 )
