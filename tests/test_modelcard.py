@@ -430,3 +430,19 @@ def test_save_pretrained_keeps_a_readme_the_user_wrote(tmp_path):
     old = (ROOT / "tests" / "reference" / "fixtures").glob("*/README.md")
     assert is_generated_card("# SpecBlockDraftModel for x\n\nA drafter, made with\n`transformers-specblock`. It reads three")
     assert not is_generated_card(mine) and not list(old)
+
+
+def test_the_training_record_survives_autoconfig_loading_and_a_save(tmp_path):
+    """AutoModel builds the config from config.json alone; the record next to it is read all the same, so a drafter
+    loaded that way and saved keeps its provenance (config.json stays the architecture only)."""
+    from transformers import AutoModel
+
+    drafter = make_drafter(make_target("llama"))
+    drafter.config.training_info = {"train_tokens": 5, "command": "specblock-train --dataset /home/me/chats.jsonl"}
+    drafter.save_pretrained(tmp_path / "a")
+    loaded = AutoModel.from_pretrained(str(tmp_path / "a"))
+    assert loaded.config.training_info == {"train_tokens": 5, "command": "specblock-train --dataset <local>:me/chats.jsonl"}
+    loaded.save_pretrained(tmp_path / "b")
+    assert record_of(tmp_path / "b")["training"]["train_tokens"] == 5
+    assert "_training_record_read" not in (tmp_path / "b" / "config.json").read_text()
+    assert (tmp_path / "b" / "README.md").read_text() == str(card_for_folder(tmp_path / "b"))

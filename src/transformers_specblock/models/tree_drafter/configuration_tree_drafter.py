@@ -8,6 +8,7 @@ candidates) lives in its `generation_config` (`TreeGenerationConfig`).
 
 from __future__ import annotations
 
+import os
 from typing import Any, ClassVar
 
 from transformers import PretrainedConfig
@@ -206,7 +207,8 @@ class TreeDrafterConfig(PretrainedConfig):
         """`PretrainedConfig.to_dict` of the architecture only: without legacy decoding settings (they live in
         `generation_config.json`), training settings and the training record (``training_record.json``)."""
         output = super().to_dict()
-        for key in ("legacy_drafting_settings", "training_record", *self.training_settings, *RECORD_SECTIONS):
+        hidden = ("legacy_drafting_settings", "training_record", "_training_record_read")
+        for key in (*hidden, *self.training_settings, *RECORD_SECTIONS):
             output.pop(key, None)
         return output
 
@@ -239,6 +241,22 @@ class TreeDrafterConfig(PretrainedConfig):
             if name in self.training_settings:
                 setattr(self, name, value)
         self.training_record = merged
+        self.__dict__["_training_record_read"] = True
+
+    @property
+    def name_or_path(self) -> str | None:
+        return PretrainedConfig.name_or_path.fget(self)
+
+    @name_or_path.setter
+    def name_or_path(self, value: Any) -> None:
+        """`PreTrainedModel.from_pretrained` names the folder here also when `AutoConfig` built the config (which
+        reads config.json alone): the training record saved next to it is read then, so that a drafter loaded with
+        `AutoModel` keeps its record (and `save_pretrained` writes it again)."""
+        PretrainedConfig.name_or_path.fset(self, value)
+        if not self.__dict__.get("_training_record_read") and isinstance(value, str) and os.path.isdir(value):
+            record = load_training_record(value)
+            if record is not None:
+                self.attach_training_record(record)
 
 
 _HUB_KWARGS = ("cache_dir", "force_download", "local_files_only", "token", "revision", "proxies")
