@@ -10,7 +10,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from transformers.generation.candidate_generator import CandidateGenerator
 
 from ...models.tree_drafter.generation_config import AUTO
 from ...models.tree_drafter.modeling_tree_drafter import TreeDraftModel
@@ -57,8 +56,12 @@ class DraftingStats:
         return dict(zip(SOURCE_BITS, self.accepted_per_source))
 
 
-class TreeCandidateGenerator(CandidateGenerator):
+class TreeCandidateGenerator:
     """Drafts token trees for the target to verify, keeping its own drafter KV cache across iterations.
+
+    Not a transformers `CandidateGenerator`: that interface proposes one chain (`get_candidates`) for the stock
+    loop to verify, and a tree cannot be passed through it; the package's loop (`generation.decoding`) drives this
+    one.
 
     The loop `queue`s the target features of newly committed positions; `read_queued` feeds them to the drafter
     (`observe`, one call however many steps were queued) right before `draft_tree` grows a tree from the last
@@ -69,7 +72,6 @@ class TreeCandidateGenerator(CandidateGenerator):
     `stats`.
     """
 
-    requires_model_outputs = True
     reads_features = True  # whether `observe` needs the target's hidden states (else it gets [P, 0] features)
     grows_trees = True  # whether `grow_tree` drafts (else every tree is the free candidates' alone)
 
@@ -90,7 +92,6 @@ class TreeCandidateGenerator(CandidateGenerator):
             budget = max(1, *drafter.generation_config.auto_budget_candidates)  # [0]: never drafts, settings still check)
         self.tree_budget = budget
         self.stats = DraftingStats()
-        self.tree: DraftTree | None = None
         self.queued: list[tuple[torch.Tensor, torch.LongTensor]] = []  # (features [P, 3H], next tokens [P])
         self.unread_positions = 0  # positions queued and not read yet: what the next draft first catches up on
         self.queued_first_position = 0
@@ -258,17 +259,6 @@ class TreeCandidateGenerator(CandidateGenerator):
         """The call is over: `sequence` [T] is its whole committed text (the suffix store remembers it)."""
         if self.free_candidates is not None:
             self.free_candidates.finish(sequence)
-
-    def get_candidates(self, input_ids: torch.LongTensor, **kwargs) -> tuple[torch.LongTensor, None]:
-        """`CandidateGenerator` API: the drafted tree's tokens in topological order after `input_ids`.
-
-        The tree structure the verifier needs is kept in `self.tree`.
-        """
-        self.tree = self.draft_tree(input_ids[0])
-        return torch.cat([input_ids, self.tree.tokens[1:][None].to(input_ids.device)], dim=1), None
-
-    def update_candidate_strategy(self, input_ids: torch.LongTensor, scores: torch.Tensor, num_matches: int) -> None:
-        """Tree shapes adapt inside `draft_tree`; nothing to update between iterations."""
 
     def _account(self, start: float, forwards: int = 1) -> None:
         sync(self.drafter.device)
