@@ -134,7 +134,9 @@ def test_reset_serving_state_forgets_what_serving_learnt():
     assert torch.equal(greedy(target, assistant_model=drafter), expected)
 
 
-def test_online_adaptation_of_a_cast_copy_leaves_the_users_weights_alone():
+def test_online_adaptation_of_a_cast_copy_reaches_the_users_drafter_in_its_own_dtype():
+    """Serving casts nothing of the user's: the bfloat16 copy drafts and adapts, and what it learnt is written back
+    into the user's float32 drafter after each call (its dtype unchanged)."""
     target = make_target(vocab_size=32, seed=7).to(torch.bfloat16)
     drafter = make_drafter(target, tree_budget=8, online_adaptation="always").float()
     weights = {name: tensor.clone() for name, tensor in drafter.state_dict().items()}
@@ -143,7 +145,8 @@ def test_online_adaptation_of_a_cast_copy_leaves_the_users_weights_alone():
         assert torch.equal(greedy(target, assistant_model=drafter), expected)
     adapter = online_adapter_for(drafter.served_for(target), drafter.serving_state(target))
     assert adapter.drafter is drafter.served_for(target) and adapter.drafter is not drafter
-    assert all(torch.equal(weights[name], tensor) for name, tensor in drafter.state_dict().items())
+    assert all(tensor.dtype == weights[name].dtype for name, tensor in drafter.state_dict().items())
+    assert any(not torch.equal(weights[name], tensor) for name, tensor in drafter.state_dict().items())
 
 
 def test_decoding_settings_live_in_generation_config_json(tmp_path):

@@ -59,11 +59,11 @@ def tree_speculative_decoding(
     the target verifies all rows' trees in one forward; each row accepts its own path and rows that finish leave
     the batch."""
     drafter = assistant_model
-    check_inputs(model, drafter, input_ids, generation_config, model_kwargs, streamer)
+    state = drafter.serve(model)  # the target checked; `state.drafter`: this drafter, or a copy in the target's dtype
+    served = state.drafter
+    check_inputs(model, input_ids, generation_config, model_kwargs, streamer)
     if synced_gpus:
         raise ValueError("synced_gpus (DeepSpeed ZeRO-3 / FSDP) is not supported with SpecBlock decoding.")
-    state = drafter.serving_state(model)
-    served = drafter.served_for(model)  # the drafter itself, or a copy in the target's dtype and device
     generators = [get_candidate_generator(served, state=state) for _ in range(input_ids.shape[0])]
     adapter = online_adapter_for(served, state) if drafter.generation_config.online_adaptation != "off" else None
     if adapter is not None:

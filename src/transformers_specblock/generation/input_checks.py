@@ -1,5 +1,5 @@
-"""What the tree loop checks before its first forward: the drafter fits the target, and the prompt, attention,
-cache and output settings are ones it can decode (each refusal says what to change)."""
+"""What the tree loop checks before its first forward: the prompt, attention, cache and output settings are ones it
+can decode (each refusal says what to change)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ import torch
 from transformers import DynamicCache, GenerationConfig, PreTrainedModel
 from transformers.generation.streamers import BaseStreamer
 
-from ..models.tree_drafter.modeling_tree_drafter import TreeDraftModel
 from ..utils import CACHE_ARGUMENT
 
 
@@ -20,14 +19,13 @@ def generation_cache(model_kwargs: dict[str, Any]) -> Any:
 
 def check_inputs(
     target: PreTrainedModel,
-    drafter: TreeDraftModel,
     input_ids: torch.LongTensor,
     generation_config: GenerationConfig,
     model_kwargs: dict[str, Any],
     streamer: BaseStreamer | None,
 ) -> None:
-    """Raise a ValueError naming the fix for anything the tree loop cannot decode exactly."""
-    drafter.check_target(target)
+    """Raise a ValueError naming the fix for anything the tree loop cannot decode exactly (the drafter was checked
+    against the target when it was bound to it, `TreeDraftModel.serve`)."""
     if input_ids.shape[1] == 0:
         raise ValueError("The prompt is empty: SpecBlock needs at least one prompt token (e.g. the BOS token).")
     if streamer is not None and input_ids.shape[0] > 1:

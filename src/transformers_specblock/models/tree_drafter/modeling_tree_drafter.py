@@ -267,14 +267,21 @@ class TreeDraftModel(DraftingSettingsMixin, PreTrainedModel):
         adaptation's state, cast copies); the weights stay as they are (`reset_adaptation` restores loaded ones)."""
         self.serving_states.clear()
 
-    def served_for(self, target: PreTrainedModel) -> "TreeDraftModel":
-        """The drafter that drafts for `target` in a `generate` call, bound to it: this one where its weights already
-        have the target's dtype and device, else a copy cast there (kept in the serving state, made again when these
-        weights change). The user's drafter is never cast or moved by serving."""
+    def serve(self, target: PreTrainedModel) -> ServingState:
+        """Bind this drafter to `target` for a `generate` call, in one call: the target is checked, and its serving
+        state (made on first use) comes back holding everything the loop needs, `state.drafter` among it: the drafter
+        that drafts, bound to the target (this one where its weights already have the target's dtype and device, else
+        a copy cast there, kept and made again when these weights change; the user's drafter is never cast or moved
+        by serving)."""
         self.check_target(target)
-        served = self.serving_state(target).served_drafter(self, self._placement(target), target.dtype)
-        served.bind_target(target, place=False)
-        return served
+        state = self.serving_states.for_target(target)
+        state.drafter = state.served_drafter(self, self._placement(target), target.dtype)
+        state.drafter.bind_target(target, place=False)
+        return state
+
+    def served_for(self, target: PreTrainedModel) -> "TreeDraftModel":
+        """The drafter that drafts for `target` (`serve(target).drafter`)."""
+        return self.serve(target).drafter
 
     def __getstate__(self) -> dict[str, Any]:
         """Pickling and `copy.deepcopy`: weights, config and statistics; no binding to a target, no serving state."""

@@ -40,6 +40,7 @@ class ServingState:
         source_scores: The free candidates' learnt acceptance per source (`generation.lookup.SourceScores`), one
             per free-candidate settings.
         adaptation: Online adaptation's state (`generation.adaptation.OnlineAdapter`), or None.
+        drafter: The drafter that drafts for the target, bound to it (`TreeDraftModel.serve` sets it).
     """
 
     def __init__(self, target: PreTrainedModel, owner: "ServingStates") -> None:
@@ -49,6 +50,7 @@ class ServingState:
         self.auto_budget: Any = None
         self.source_scores: dict[Any, Any] = {}
         self.adaptation: Any = None
+        self.drafter: nn.Module | None = None
         self._cast: tuple[tuple, nn.Module] | None = None  # (the drafter's weights it was made from, cast copy)
 
     @property
@@ -60,7 +62,7 @@ class ServingState:
 
     def drop_adaptation(self) -> None:
         """Forget online adaptation's state, and the cast copy it may have changed (made afresh when next served)."""
-        self.adaptation, self._cast = None, None
+        self.adaptation, self._cast, self.drafter = None, None, None
 
     def served_drafter(self, drafter: nn.Module, device: torch.device, dtype: torch.dtype) -> nn.Module:
         """`drafter` where its floating-point weights are already `dtype` on `device`, else a copy cast there (made
