@@ -85,8 +85,10 @@ SPECBLOCK_SHAPE_SETTINGS = (
 )  # fmt: skip
 SHAPE_SETTINGS = (*SPECBLOCK_SHAPE_SETTINGS, "tree_top_k", "tree_depth")
 ADAPTATION_SETTINGS = tuple(name for name in DRAFTING_SETTINGS if "adaptation" in name)
-# fields of transformers' GenerationConfig that are bookkeeping, not settings
+# fields of transformers' GenerationConfig that are bookkeeping, not settings, and the special-token ids `Trainer`
+# copies from the tokenizer into every model's generation config (none is read by a drafter, none is saved)
 _METADATA = ("transformers_version", "_from_model_config", "_commit_hash", "_original_object_hash")
+_TOKEN_IDS = ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id")
 LIST_SETTINGS = ("auto_budget_candidates", "branch_widths")  # kept as lists (JSON reads a tuple back as a list)
 
 
@@ -277,7 +279,7 @@ class TreeGenerationConfig(GenerationConfig):
         stock = _stock_defaults()
         return unread + [
             name for name, value in self.__dict__.items()
-            if name in stock and name not in DRAFTING_DEFAULTS and name not in _METADATA and value not in stock[name]
+            if name in stock and name not in (*DRAFTING_DEFAULTS, *_METADATA, *_TOKEN_IDS) and value not in stock[name]
         ]  # fmt: skip
 
     def update(self, **kwargs: Any) -> dict[str, Any]:
