@@ -16,8 +16,8 @@ from .attention import SPARSE_SDPA
 _DTYPES = DTYPES  # float32, bfloat16, float16
 SLOT_NORMALIZATIONS = ("valid_prefix", "slot0")
 RANK_LOSS_FORMS = ("package", "reference")
-_TIMED_SCHEDULES = ("constant", "constant_with_warmup", "linear", "cosine")
-"""Learning-rate schedules `--max_train_minutes` can run by elapsed time."""
+_TIMED_SCHEDULES = ("constant", "constant_with_warmup", "linear", "cosine", "warmup_stable_decay")
+"""Learning-rate schedules a time budget (`--max_train_minutes`, `--max_train_cpu_hours`) can run by elapsed time."""
 
 
 @dataclass
@@ -270,20 +270,57 @@ class SpecBlockTrainingArguments(TrainingArguments):
         default=None,
         metadata={"help": "Stop after this many minutes of training (all sessions of a resumed run, evaluations "
                   "included) and schedule the learning rate by time: after the warm-up steps, a linear or cosine "
-                  "decay follows elapsed time / budget instead of step / max_steps, so it ends at the budget "
+                  "decay (or warmup_stable_decay's, see --decay_share) follows elapsed time / budget instead of step / max_steps, so it ends at the budget "
                   "whatever the hardware's speed. max_steps (or the epochs) still bound the run. Default: no budget."},
+    )
+    max_train_cpu_hours: float | None = field(
+        default=None,
+        metadata={"help": "Stop after this many CPU-hours of training (the training process's CPU time, all sessions "
+                  "of a resumed run, evaluations included) and schedule the learning rate by CPU progress = CPU time / "
+                  "budget, as --max_train_minutes does by wall time: the compute a run spends, which wall time does not "
+                  "measure on a shared machine. Give two drafters the same budget to compare them at equal CPU. Not "
+                  "with --max_train_minutes. Default: no budget."},
+    )
+    decay_share: float = field(
+        default=0.2,
+        metadata={"help": "--lr_scheduler_type warmup_stable_decay with a time budget: the share of the budget, at its "
+                  "end, over which the learning rate decays linearly from its peak to 0 (reached exactly at the "
+                  "budget); before it, after the warm-up steps, the rate stays at its peak. In (0, 1]."},
     )
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.max_train_minutes is not None and self.max_train_minutes <= 0:
-            raise ValueError(f"--max_train_minutes must be > 0, got {self.max_train_minutes}.")
-        schedule = getattr(self.lr_scheduler_type, "value", self.lr_scheduler_type)
-        if self.max_train_minutes is not None and schedule not in _TIMED_SCHEDULES:
+        if self.max_train_minutes is not None and self.max_train_cpu_hours is not None:
             raise ValueError(
-                f"--max_train_minutes schedules the learning rate by time, which supports --lr_scheduler_type "
+                "--max_train_minutes (a wall-clock budget) and --max_train_cpu_hours (a CPU-time budget) exclude each "
+                "other: give one."
+            )
+        if self.max_train_minutes is not None and not self.max_train_minutes > 0:
+            raise ValueError(f"--max_train_minutes must be > 0, got {self.max_train_minutes}.")
+        if self.max_train_cpu_hours is not None and not (0 < self.max_train_cpu_hours < float("inf")):
+            raise ValueError(f"--max_train_cpu_hours must be a finite number > 0, got {self.max_train_cpu_hours}.")
+        if not 0 < self.decay_share <= 1:
+            raise ValueError(f"--decay_share must be in (0, 1], got {self.decay_share}.")
+        schedule = getattr(self.lr_scheduler_type, "value", self.lr_scheduler_type)
+        budget = self.time_budget_option
+        if budget is not None and schedule not in _TIMED_SCHEDULES:
+            raise ValueError(
+                f"{budget} schedules the learning rate by time, which supports --lr_scheduler_type "
                 f"{', '.join(_TIMED_SCHEDULES)}; got {schedule!r}."
             )
+        if budget is None and schedule == "warmup_stable_decay" and not self.lr_scheduler_kwargs:
+            raise ValueError(
+                "--lr_scheduler_type warmup_stable_decay decays to a time budget: give --max_train_cpu_hours H (or "
+                "--max_train_minutes N), with --decay_share; without a budget it is transformers' step schedule, "
+                "which needs --lr_scheduler_kwargs (num_decay_steps, ...)."
+            )
+
+    @property
+    def time_budget_option(self) -> str | None:
+        """The time-budget option this run gives (``--max_train_cpu_hours`` or ``--max_train_minutes``), or None."""
+        if self.max_train_cpu_hours is not None:
+            return "--max_train_cpu_hours"
+        return "--max_train_minutes" if self.max_train_minutes is not None else None
 
 
 @dataclass

@@ -41,13 +41,14 @@ class _SessionRecorder(TrainerCallback):
 
 
 class _TimeBudget(TrainerCallback):
-    """Stops training (saving a checkpoint) once the trainer's training time reaches ``max_train_minutes``."""
+    """Stops training (saving a checkpoint) once the trainer's training time reaches its budget: wall time for
+    ``max_train_minutes``, CPU time for ``max_train_cpu_hours``."""
 
     def __init__(self, trainer: "SpecBlockTrainer") -> None:
         self.trainer = trainer
 
     def on_step_end(self, args, state, control, **kwargs):  # noqa: D102
-        if self.trainer.training_seconds() >= args.max_train_minutes * 60:
+        if self.trainer.budget_spent() >= 1.0 - 1e-12:
             control.should_training_stop = control.should_save = True
 
 
@@ -85,7 +86,13 @@ class SpecBlockTrainer(Trainer):
     The target is moved to the Trainer's device unless ``place_target=False`` (a target already placed, e.g. spread
     over GPUs with a ``device_map``); its features are moved to the drafter's device either way. The first
     ``single_block_steps`` optimizer steps train block 1 only; a SpecBlock drafter's forward gets the step for its
-    loss schedule (evaluation: none, i.e. the full loss)."""
+    loss schedule (evaluation: none, i.e. the full loss).
+
+    The two clocks it reads, ``wall_clock`` and ``cpu_clock`` (`time.perf_counter`, `time.process_time`), are
+    attributes so a test can drive them."""
+
+    wall_clock = staticmethod(time.perf_counter)
+    cpu_clock = staticmethod(time.process_time)
 
     def __init__(
         self,
@@ -106,11 +113,11 @@ class SpecBlockTrainer(Trainer):
         self.layer_ids = list(drafter.config.target_layer_ids)
         self._stats: dict[str, torch.Tensor | None] = {"train": None, "eval": None}
         self.train_micro_batches = 0  # in this session, this process
-        self._session_start, self._session_cpu_start = time.perf_counter(), time.process_time()
+        self._session_start, self._session_cpu_start = self.wall_clock(), self.cpu_clock()
         self._earlier: dict[str, float] | None = None  # training time of the sessions before a resume
         self.session_record: dict[str, Any] | None = None  # set by run_training before train()
         self.add_callback(_SessionRecorder(self))
-        if getattr(self.args, "max_train_minutes", None) is not None:
+        if self._budget_seconds() is not None:
             self.add_callback(_TimeBudget(self))
 
     def followup_offsets(self, training: bool) -> list[int]:
@@ -183,7 +190,7 @@ class SpecBlockTrainer(Trainer):
         return output
 
     def train(self, *args: Any, **kwargs: Any):  # noqa: D102
-        self._session_start, self._session_cpu_start = time.perf_counter(), time.process_time()
+        self._session_start, self._session_cpu_start = self.wall_clock(), self.cpu_clock()
         self._earlier = None
         return super().train(*args, **kwargs)
 
@@ -199,26 +206,51 @@ class SpecBlockTrainer(Trainer):
 
     def training_seconds(self) -> float:
         """Wall-clock training time so far, across resumes."""
-        return self._earlier_sessions("train_seconds") + time.perf_counter() - self._session_start
+        return self._earlier_sessions("train_seconds") + self.wall_clock() - self._session_start
 
     def training_cpu_seconds(self) -> float:
         """CPU time of this process's training so far, across resumes: the compute a run spent, which wall time
         does not measure on a shared machine."""
-        return self._earlier_sessions("train_cpu_seconds") + time.process_time() - self._session_cpu_start
+        return self._earlier_sessions("train_cpu_seconds") + self.cpu_clock() - self._session_cpu_start
+
+    def _budget_seconds(self) -> float | None:
+        """The time budget in seconds of its clock (CPU for ``max_train_cpu_hours``, wall for
+        ``max_train_minutes``), or None."""
+        if getattr(self.args, "max_train_cpu_hours", None) is not None:
+            return self.args.max_train_cpu_hours * 3600
+        minutes = getattr(self.args, "max_train_minutes", None)
+        return None if minutes is None else minutes * 60
+
+    def budget_spent(self) -> float:
+        """Training time so far over the budget (may pass 1): CPU time with ``max_train_cpu_hours``, wall time with
+        ``max_train_minutes``, all sessions of a resumed run."""
+        by_cpu = getattr(self.args, "max_train_cpu_hours", None) is not None
+        spent = self.training_cpu_seconds() if by_cpu else self.training_seconds()
+        # every process must stop at the same step and use the same rate: their mean (a no-op on one process)
+        total, processes = _all_reduce(torch.tensor([spent], dtype=torch.float64, device=self.args.device))
+        return total.item() / processes / self._budget_seconds()
 
     def time_progress(self) -> float:
-        """Share of ``max_train_minutes`` spent so far, in [0, 1]."""
-        return min(1.0, self.training_seconds() / (self.args.max_train_minutes * 60))
+        """Share of the time budget spent so far, in [0, 1]."""
+        return min(1.0, self.budget_spent())
 
     def create_scheduler(self, num_training_steps: int, optimizer: torch.optim.Optimizer | None = None):
-        """With ``max_train_minutes``: warm-up over the warm-up steps, then the schedule's decay by elapsed time
-        (`time_progress`) instead of by step. Otherwise the Trainer's own scheduler."""
-        if getattr(self.args, "max_train_minutes", None) is None:
+        """With a time budget (``max_train_cpu_hours`` or ``max_train_minutes``): warm-up over the warm-up steps
+        (global steps, so a resume does not warm up again), then the schedule by time progress (`time_progress`)
+        instead of by step: linear / cosine decay over the whole budget, or ``warmup_stable_decay``: the peak rate
+        until progress 1 - ``decay_share``, then a linear decay to 0 exactly at the budget, and 0 after it.
+        Progress counts every session, so a resumed run continues the same schedule. Otherwise the Trainer's own
+        scheduler."""
+        if self._budget_seconds() is None:
             return super().create_scheduler(num_training_steps, optimizer)
         warmup = self.args.get_warmup_steps(num_training_steps)
         schedule = getattr(self.args.lr_scheduler_type, "value", self.args.lr_scheduler_type)
+        decay_share = getattr(self.args, "decay_share", 0.2)
 
         def factor(step: int) -> float:
+            if schedule == "warmup_stable_decay":
+                ramp = step / warmup if step < warmup else 1.0
+                return min(ramp, max(0.0, 1.0 - self.time_progress()) / decay_share)
             if step < warmup:
                 return step / warmup if schedule != "constant" else 1.0
             if schedule in ("constant", "constant_with_warmup"):
