@@ -30,6 +30,7 @@ OUTPUT_DIR/splits/select.jsonl ...``. The report split is read by no decision (n
 from __future__ import annotations
 
 import argparse
+import fcntl
 import json
 import os
 import re
@@ -259,6 +260,11 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(options.threads)
     out = Path(options.output_dir)
     out.mkdir(parents=True, exist_ok=True)
+    lock = (out / ".build_data.lock").open("w")
+    try:  # one run per folder: a second one would rewrite the splits under the first one's extraction
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        sys.exit(f"Another build_data run holds {out / '.build_data.lock'}; let it finish (or end it) first.")
     log(f"build_data {' '.join(sys.argv[1:] if argv is None else argv)}")
     bench = None
     if "sources" in stages or "splits" in stages:
