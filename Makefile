@@ -30,20 +30,32 @@ test: setup
 test-fast: setup
 	$(PY) -m pytest -q -m "not slow"
 
-# The patch-free route on the newest transformers release, in a venv of its own (the generate router itself patches
-# only the releases in SUPPORTED_TRANSFORMERS, src/transformers_specblock/utils.py, and refuses this one by name).
+# The newest supported transformers release (utils.SUPPORTED_TRANSFORMERS, src/transformers_specblock/utils.py), in a
+# venv of its own. First a real install of a clean copy of the sources (NEWEST_SOURCE: no stale build/ folder), not
+# editable, its dependencies resolved against pyproject's transformers>=5.23,<5.26: it must keep transformers
+# $(NEWEST_TRANSFORMERS), and importing the installed package outside the checkout must not warn (the router patches this
+# release). Then the package goes back to an editable install (--no-deps: all it needs is installed by then) and the
+# router, exactness, sampling, batching and streamer tests run on it. Each step replaces what the one before left,
+# so the target runs again in the same venv.
 NEWEST_TRANSFORMERS := 5.25.0
 NEWEST_VENV := .venv-transformers-$(NEWEST_TRANSFORMERS)
+NEWEST_PY := $(abspath $(NEWEST_VENV))/bin/python
+NEWEST_SOURCE := $(NEWEST_VENV)/source
 test-newest-transformers:
 	$(PYTHON) -m venv $(NEWEST_VENV)
-	$(NEWEST_VENV)/bin/python -m pip install -q torch==2.13.0 transformers==$(NEWEST_TRANSFORMERS)
-	$(NEWEST_VENV)/bin/python -m pip install -q pytest hypothesis $$($(NEWEST_VENV)/bin/python -c "import tomllib; \
-	  print(' '.join(d for d in tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies'] \
-	  if not d.startswith(('torch', 'transformers'))))")
-	$(NEWEST_VENV)/bin/python -m pip install -q --no-deps -e .
-	$(NEWEST_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/test_patch_free.py \
-	  tests/test_router.py::test_this_transformers_has_the_routed_signatures \
-	  tests/test_router.py::test_a_release_outside_the_supported_ones_is_not_patched_even_with_the_same_signatures
+	$(NEWEST_PY) -m pip install -q torch==2.13.0 transformers==$(NEWEST_TRANSFORMERS)
+	rm -rf $(NEWEST_SOURCE) && mkdir -p $(NEWEST_SOURCE) && cp -r pyproject.toml README.md src $(NEWEST_SOURCE)/ && \
+	  find $(NEWEST_SOURCE) \( -name __pycache__ -o -name "*.egg-info" \) -prune -exec rm -rf {} +
+	$(NEWEST_PY) -m pip install -q $(NEWEST_SOURCE)   # a real install, dependency resolution included
+	cd /tmp && $(NEWEST_PY) -c "import transformers, transformers_specblock as s; \
+	  assert transformers.__version__ == '$(NEWEST_TRANSFORMERS)', transformers.__version__; \
+	  assert 'site-packages' in s.__file__, s.__file__; print('pip install . kept transformers', transformers.__version__)"
+	cd /tmp && $(NEWEST_PY) -W error::UserWarning -c "import transformers_specblock"   # no router warning
+	$(NEWEST_PY) -m pip install -q pytest hypothesis scipy
+	$(NEWEST_PY) -m pip install -q --no-deps -e .
+	$(NEWEST_PY) -m pytest -q -p no:cacheprovider -m "not slow" tests/test_patch_free.py tests/test_router.py \
+	  tests/test_greedy_exactness.py tests/test_sampling_lossless.py tests/test_batching.py
+	$(NEWEST_PY) -m pytest -q -p no:cacheprovider -m "not slow" -k streamer tests/test_api.py tests/test_robustness.py
 
 docs: setup   # the generated tables and figures from docs/results, then the site into site/
 	$(PY) utils/render_docs.py
