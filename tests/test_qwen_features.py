@@ -292,3 +292,25 @@ def test_regeneration_appends_answers_and_resumes(workspace, tmp_path):
         f.write('{"id": "half a li')  # an interrupted write
     build_data.regenerate(tmp_path, options, target, workspace["tokenizer"])
     assert build_data.read_jsonl(sources / "regenerated.jsonl") == answers
+
+
+def test_the_splits_stage_writes_disjoint_splits_free_of_benchmark_prompts(bench, tmp_path):
+    humaneval = next(i.text for i in bench.items if i.source == "humaneval:HumanEval/7:prompt")
+    sharegpt = [{**r, "id": f"sharegpt:{r['id']}_0", "source": "sharegpt"} for r in chats(400)]
+    sharegpt.append({"id": "sharegpt:leak_0", "source": "sharegpt", "split_key": "sharegpt:leak",
+                     "conversations": [{"from": "human", "value": "Please solve:\n" + humaneval},
+                                       {"from": "gpt", "value": "ok"}]})  # fmt: skip
+    code = [{**r, "id": f"code:{r['id']}", "split_key": f"code:{r['split_key']}", "source": "code"} for r in chats(300, 1)]
+    regenerated = [{**r, "id": f"regenerated:{r['id']}", "source": "regenerated"} for r in sharegpt[:50]]
+    (tmp_path / "sources").mkdir()
+    for name, records in (("sharegpt", sharegpt), ("code", code), ("regenerated", regenerated)):
+        build_data.write_jsonl_atomically(tmp_path / "sources" / f"{name}.jsonl", records)
+    stats = build_data.build_splits(tmp_path, bench)
+    assert stats["benchmark_matches_dropped_at_split_time"] == 1
+    splits = {s: build_data.read_jsonl(tmp_path / "splits" / f"{s}.jsonl") for s in SPLITS}
+    assert sum(map(len, splits.values())) == len(sharegpt) + len(code) + len(regenerated) - 1
+    where = {r["id"]: s for s, records in splits.items() for r in records}
+    assert "sharegpt:leak_0" not in where and len(where) == sum(map(len, splits.values()))
+    assert all(where[r["id"]] == where[r["id"].removeprefix("regenerated:")] for r in regenerated)
+    assert all(bench.filter(records)[1] == [] for records in splits.values())
+    assert {r["source"] for r in splits["train"][:6]} == {"sharegpt", "code", "regenerated"}  # interleaved
