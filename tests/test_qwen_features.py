@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from tokenizers import Regex, Tokenizer, models, pre_tokenizers
-from transformers import AutoTokenizer, PreTrainedTokenizerFast
+from transformers import AutoTokenizer
 
 from conftest import make_target
+from test_training import make_tokenizer
 from transformers_specblock.commands import build_data
 from transformers_specblock.commands.cli import train_main
 from transformers_specblock.hub.prompts import load_prompts
@@ -38,24 +38,7 @@ from transformers_specblock.training.feature_store import extract_features, is_f
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-SPECIALS = ["<pad>", "<unk>", "<s>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
-TEMPLATE = (
-    "{{ bos_token }}{% for m in messages %}{{ '<|' + m['role'] + '|>' + m['content'] + '<|end|>' }}{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"
-)
 LAYERS = [2, 3, 3]  # default_target_layer_ids(6): what SpecBlock and EAGLE-3 both read
-
-
-def make_tokenizer() -> PreTrainedTokenizerFast:
-    chars = sorted(set(string.ascii_letters + string.digits + string.punctuation + " "))
-    backend = Tokenizer(models.WordLevel({t: i for i, t in enumerate(SPECIALS + chars)}, unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
-    backend.add_special_tokens(SPECIALS)
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=backend, pad_token="<pad>", unk_token="<unk>", bos_token="<s>", eos_token="<|end|>"
-    )
-    tokenizer.chat_template = TEMPLATE
-    return tokenizer
 
 
 def chats(count: int, seed: int = 0) -> list[dict]:

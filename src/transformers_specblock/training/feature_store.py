@@ -32,13 +32,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from transformers.utils import logging
 
 from .data import _read_records, normalize_conversation, render_conversation
-from .features import FEATURES_INFO, _target_head, features_bytes_per_token, target_argmax, target_features
+from .features import FEATURES_INFO, _target_head, features_bytes_per_token, target_argmax, target_features, write_shard
 
 logger = logging.get_logger(__name__)
 
@@ -152,13 +151,7 @@ def extract_features(
     def flush() -> None:
         nonlocal clock, cpu_clock, new_shards
         name = f"shard-{len(info['shards']):05d}.safetensors"
-        tensors = {k: torch.cat(v).contiguous() for k, v in buffer.items()}
-        tensors["offsets"] = torch.tensor([0, *lengths]).cumsum(0)
-        fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{name}.", suffix=".tmp")
-        os.close(fd)
-        save_file(tensors, tmp, metadata={"format": "pt"})
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, folder / name)
+        write_shard(folder / name, buffer, lengths)
         tokens = int(sum(lengths))
         now, cpu_now = time.perf_counter(), time.process_time()
         info["shards"].append({"file": name, "num_sequences": len(lengths), "num_tokens": tokens,

@@ -93,6 +93,18 @@ def features_bytes_per_token(hidden_size: int, dtype: torch.dtype) -> dict[str, 
     }
 
 
+def write_shard(path: Path, buffer: dict[str, list[torch.Tensor]], lengths: list[int]) -> None:
+    """One shard of sequences: each key's tensors concatenated, and `offsets` (each sequence's start, then the end),
+    written to a temporary file and renamed into place (a reader sees the whole shard or none)."""
+    tensors = {k: torch.cat(v).contiguous() for k, v in buffer.items()}
+    tensors["offsets"] = torch.tensor([0, *lengths]).cumsum(0)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    save_file(tensors, tmp, metadata={"format": "pt"})
+    os.chmod(tmp, 0o644)
+    os.replace(tmp, path)
+
+
 def precompute_features(
     target: PreTrainedModel,
     dataset: datasets.Dataset,
@@ -159,13 +171,7 @@ def precompute_features(
         if not lengths:
             return
         name = f"shard-{len(shards):05d}.safetensors"
-        tensors = {k: torch.cat(v).contiguous() for k, v in buffer.items()}
-        tensors["offsets"] = torch.tensor([0, *lengths]).cumsum(0)
-        fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{name}.", suffix=".tmp")
-        os.close(fd)
-        save_file(tensors, tmp, metadata={"format": "pt"})
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, folder / name)
+        write_shard(folder / name, buffer, lengths)
         shards.append({"file": name, "num_sequences": len(lengths), "num_tokens": int(sum(lengths))})
         for v in buffer.values():
             v.clear()
