@@ -307,7 +307,7 @@ def test_every_call_warm_up_included_serves_its_prompt_as_a_first_request(monkey
 
     def generate(self, *args, **kwargs):
         if "assistant_model" in kwargs:
-            store = drafter.__dict__.get("_suffix_store")
+            store = drafter.serving_states.suffix_store
             remembered.append(len(store) if store is not None else 0)
         return original(self, *args, **kwargs)
 

@@ -180,8 +180,9 @@ class TreeGenerationConfig(GenerationConfig):
         auto_budget_cost_cache: With tree_budget="auto", keep the target's measured cost curves and what each
             chooser learnt on disk (in `$XDG_CACHE_HOME/transformers_specblock/`, per hardware, target architecture,
             dtype, device, batch size and, for the learnt estimates, drafter weights and settings), so a new process
-            reads them instead of timing the target and warming up again; False starts afresh in every process and
-            writes nothing.
+            reads them instead of timing the target and warming up again, once they are checked against the machine
+            now (a curve timed where the machine ran slower is timed again, a chooser's state learnt then is not
+            restored: docs/how-to/caches.md); False starts afresh in every process and writes nothing.
         prompt_lookup_num_tokens: Free candidates from prompt lookup (0 = off): where the text's last n-gram occurred
             before (in the prompt or the generated text), the up to this many tokens that followed it become a chain
             of the tree, beside the drafter's nodes (merged where they agree).
