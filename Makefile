@@ -56,6 +56,7 @@ test-newest-transformers:
 	$(NEWEST_PY) -m pytest -q -p no:cacheprovider -m "not slow" tests/test_patch_free.py tests/test_router.py \
 	  tests/test_greedy_exactness.py tests/test_sampling_lossless.py tests/test_batching.py
 	$(NEWEST_PY) -m pytest -q -p no:cacheprovider -m "not slow" -k streamer tests/test_api.py tests/test_robustness.py
+	$(NEWEST_PY) -m pytest -q -p no:cacheprovider -m "not slow" -k chain_path tests/test_dflash.py  # transformers' DFlash chain
 
 docs: setup   # the generated tables and figures from docs/results, then the site into site/
 	$(PY) utils/render_docs.py

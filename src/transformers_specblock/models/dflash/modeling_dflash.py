@@ -200,9 +200,11 @@ class DFlashDraftModel(PublishedCheckpointMixin, TreeDraftModel):
         attention_mask: torch.Tensor | None = None,
         past_key_values: Cache | None = None,
         use_cache: bool | None = None,
+        cache: Cache | None = None,
         **kwargs,
     ) -> BaseModelOutputWithPast:
-        """Denoise a block.
+        """Denoise a block (the drafter cache comes as `past_key_values`, or as `cache`, the name transformers' own
+        DFlash chain uses since 5.24).
 
         noise_embeds:          [B, Q, H]   target embeddings of [anchor, mask, ..., mask] (Q = block_size, or the
                                N * block_size blocks of a training batch)
@@ -218,6 +220,7 @@ class DFlashDraftModel(PublishedCheckpointMixin, TreeDraftModel):
         embeddings, and feeds the output to the target's `lm_head`) it computes in its own dtype and returns the
         output in the inputs' dtype, so a drafter saved in bfloat16 serves a float32 target and stays bfloat16.
         """
+        past_key_values = past_key_values if past_key_values is not None else cache
         output_dtype = noise_embeds.dtype if noise_embeds.is_floating_point() else self.dtype
         context = self.fuse_context(context_hidden_states)
         hidden_states = noise_embeds.to(device=self.device, dtype=self.dtype)
