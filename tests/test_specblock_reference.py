@@ -655,7 +655,7 @@ def test_reference_trees_decode_losslessly_and_the_drafter_inputs_differ_from_th
 
 def test_tree_construction_is_checked(drafter, target):
     """An unknown construction is refused by name; a drafter without a reference construction refuses "reference";
-    reference trees are not online-adapted."""
+    reference trees adapt online, the reference harness's context feeding does not."""
     from transformers_specblock import Eagle3DraftModel
     from transformers_specblock.models.tree_drafter.generation_config import TreeGenerationConfig
 
@@ -663,8 +663,10 @@ def test_tree_construction_is_checked(drafter, target):
         TreeGenerationConfig(tree_construction="paper")
     with pytest.raises(ValueError, match="grows trees with tree_construction in"):
         Eagle3DraftModel.from_target(target, tree_budget=8).set_drafting_settings(tree_construction="reference")
+    with drafter.tree_settings(tree_construction="reference", online_adaptation="always"):
+        assert drafter.generation_config.online_adaptation == "always"
     with pytest.raises(ValueError, match="without online adaptation"):
-        drafter.set_drafting_settings(tree_construction="reference", online_adaptation="always")
+        drafter.set_drafting_settings(context_feeding="reference", tree_budget=8, online_adaptation="always")
     with drafter.tree_settings(tree_construction="reference"):
         assert drafter.generation_config.tree_construction == "reference"
     assert drafter.generation_config.tree_construction == "package"
