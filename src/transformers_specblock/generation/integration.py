@@ -66,8 +66,8 @@ def drafting_overrides(generation_config: GenerationConfig, passed: dict[str, An
     if drafted != STOCK_ASSISTANT_SETTINGS["num_assistant_tokens"]:
         if overrides.get("tree_budget", drafted) != drafted:
             raise ValueError(
-                f"num_assistant_tokens={drafted} and tree_budget={overrides['tree_budget']!r} both set the nodes drafted "
-                "per step: pass one of them."
+                f"num_assistant_tokens={drafted} and tree_budget={overrides['tree_budget']!r} both set the nodes "
+                "drafted per step: pass one of them."
             )
         overrides["tree_budget"] = drafted
     return overrides
