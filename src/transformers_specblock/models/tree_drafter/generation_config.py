@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import copy
 import warnings
-from typing import Any, Callable, ClassVar
+from typing import Any, ClassVar
 
 from transformers import GenerationConfig
 
-AUTO = "auto"
+from .setting_checks import AUTO, check_choice, check_count, check_number, check_tree_budget, is_count
+
 DEFAULT_CANDIDATES = (0, 2, 4, 8, 16, 24, 32, 48, 64)
 DEFAULT_EXPLORE_INTERVAL = 32  # verified steps between two trees drafted above the chosen budget
 DEFAULT_EXPLORE_SHARE = 0.02  # ... at least; and at most this share of the decoding time goes to exploring
@@ -90,36 +91,6 @@ ADAPTATION_SETTINGS = tuple(name for name in DRAFTING_SETTINGS if "adaptation" i
 _METADATA = ("transformers_version", "_from_model_config", "_commit_hash", "_original_object_hash")
 _TOKEN_IDS = ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id")
 LIST_SETTINGS = ("auto_budget_candidates", "branch_widths")  # kept as lists (JSON reads a tuple back as a list)
-
-
-def is_count(value: Any, least: int) -> bool:
-    """`value` is an int (not a bool) >= `least`."""
-    return isinstance(value, int) and not isinstance(value, bool) and value >= least
-
-
-def check_tree_budget(value: int | str) -> None:
-    """A tree budget is a positive int or "auto"."""
-    if value != AUTO and not is_count(value, 1):
-        raise ValueError(f'tree_budget must be a positive int or "auto", got {value!r}.')
-
-
-def check_number(name: str, value: Any, valid: Callable[[float], bool], expected: str, kind: str = "a number") -> None:
-    """Raise a ValueError unless `value` is an int or float (not a bool) that is `valid`."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not valid(value):
-        raise ValueError(f"{name} must be {kind} {expected}, got {value!r}.")
-
-
-def check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
-    """Raise a ValueError unless `value` is one of `choices`."""
-    if value not in choices:
-        raise ValueError(f"{name} must be one of {choices}, got {value!r}.")
-
-
-def check_count(name: str, value: Any, least: int) -> None:
-    """Raise a ValueError unless `value` is an int (not a bool) >= `least` (0 reads "off")."""
-    if not is_count(value, least):
-        off = " (0 = off)" if least == 0 else ""
-        raise ValueError(f"{name} must be an int >= {least}{off}, got {value!r}.")
 
 
 class TreeGenerationConfig(GenerationConfig):
