@@ -1,13 +1,15 @@
-"""Demo: tree speculative decoding on the packaged SmolLM2-135M-Instruct, inside `generate`, next to plain decoding.
+"""Demo: tree speculative decoding on a packaged target, inside `generate`, next to plain decoding.
 
 Runs on this host's fast dtype (bfloat16 where the CPU multiplies it natively - AVX512-BF16 or AMX - or on a GPU,
 else float32; `--dtype` overrides), on three kinds of prompt: code to complete, a chat question, and a second turn
 that quotes the first answer. Four ways to decode each: plain `generate`, the weightless lookup tree, the shipped
-SpecBlock drafter and the shipped EAGLE-3 drafter, both as shipped (`tree_budget="auto"` with the free candidates).
+SpecBlock drafter and the shipped EAGLE-3 drafter of the target, both as shipped (`tree_budget="auto"` with the free
+candidates); a target without shipped drafters runs plain and the lookup tree.
 Prints tokens/s, speed-up over plain, tau (tokens committed per target forward) and whether the output is plain
 greedy's, says where speculation does not pay on this host, and saves the table (JSON) and a figure.
 
-    python examples/demo.py                       # about 3 minutes on 2 CPU cores
+    python examples/demo.py                       # SmolLM2-135M-Instruct, about 3 minutes on 2 CPU cores
+    python examples/demo.py --target_model qwen2.5-coder-0.5b-instruct      # after `make qwen-models`
     python examples/demo.py --dtype float32 --max_new_tokens 64 --output_dir out/demo-fp32
 """
 
@@ -21,9 +23,12 @@ from pathlib import Path
 import torch
 
 from transformers_specblock import Eagle3DraftModel, LookupTreeModel, SpecBlockDraftModel, load_model, load_prompts
+from transformers_specblock.commands.cli import default_drafter_name
 from transformers_specblock.commands.exactness import first_divergence, float32_copy, is_16bit
+from transformers_specblock.hub.shipped import SHIPPED_DRAFTERS
 
-DRAFTERS = {"SpecBlock": "specblock-smollm2-135m-instruct", "EAGLE-3": "eagle3-smollm2-135m-instruct"}
+TARGETS = ("smollm2-135m-instruct", "qwen2.5-coder-0.5b-instruct", "qwen2.5-coder-1.5b-instruct")
+DRAFTERS = {"SpecBlock": (SpecBlockDraftModel, "specblock"), "EAGLE-3": (Eagle3DraftModel, "eagle3")}
 METHODS = ("plain", "lookup tree", *DRAFTERS)
 
 
@@ -102,10 +107,13 @@ def run(args: argparse.Namespace) -> dict:
         dtype, reason = args.dtype, "--dtype"
     print(f"dtype: {dtype} ({reason}); device: {device}; --dtype float32 or bfloat16 to override")
     torch.manual_seed(0)
-    target, tokenizer = load_model("smollm2-135m-instruct", device=device, dtype=dtype)
+    target, tokenizer = load_model(args.target_model, device=device, dtype=dtype)
     assistants = {"plain": None, "lookup tree": LookupTreeModel.from_target(target)}
-    for name, shipped in DRAFTERS.items():  # one object per method: its suffix cache and "auto" state are its own
-        cls = SpecBlockDraftModel if name == "SpecBlock" else Eagle3DraftModel
+    for name, (cls, kind) in DRAFTERS.items():  # one object per method: its suffix cache and "auto" state are its own
+        shipped = default_drafter_name(kind, args.target_model)
+        if shipped not in SHIPPED_DRAFTERS:
+            print(f"{name}: no drafter is shipped for {args.target_model} ({shipped}); skipped")
+            continue
         assistants[name] = cls.from_pretrained(shipped).eval()
     reference = float32_copy(target) if is_16bit(target) else None
 
@@ -141,7 +149,8 @@ def run(args: argparse.Namespace) -> dict:
     plain = {row["prompt"]: row["tokens_per_s"] for row in rows if row["method"] == "plain"}
     for row in rows:  # tokens per second: a 16-bit output that left plain greedy may stop at another length
         row["speedup"] = row["tokens_per_s"] / plain[row["prompt"]]
-    return {"dtype": dtype, "device": device, "max_new_tokens": args.max_new_tokens, "rows": rows}
+    return {"target_model": args.target_model, "dtype": dtype, "device": device, "max_new_tokens": args.max_new_tokens,
+            "rows": rows}
 
 
 def print_table(result: dict) -> None:
@@ -172,7 +181,7 @@ def plot(result: dict, path: Path) -> Path | None:
         print("matplotlib is not installed (pip install 'transformers-specblock[plot]'): no figure")
         return None
     kinds = list(dict.fromkeys(row["prompt"] for row in result["rows"]))
-    methods = [m for m in METHODS if m != "plain"]
+    methods = [m for m in METHODS if m != "plain" and any(row["method"] == m for row in result["rows"])]
     fig, ax = plt.subplots(figsize=(7, 3.5))
     width = 0.8 / len(methods)
     for i, method in enumerate(methods):
@@ -182,7 +191,7 @@ def plot(result: dict, path: Path) -> Path | None:
     ax.axhline(1.0, color="black", linewidth=0.8)
     ax.set_xticks([k + width * (len(methods) - 1) / 2 for k in range(len(kinds))], kinds)
     ax.set_ylabel("speed-up over plain generate")
-    ax.set_title(f"SmolLM2-135M-Instruct, {result['dtype']} on {result['device']}, greedy")
+    ax.set_title(f"{result['target_model']}, {result['dtype']} on {result['device']}, greedy")
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -192,6 +201,7 @@ def plot(result: dict, path: Path) -> Path | None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--target_model", choices=TARGETS, default=TARGETS[0], help="a packaged target")
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help="default: this host's fast dtype")
     parser.add_argument("--device", help="cpu or cuda (default: cuda when a GPU is visible)")
     parser.add_argument("--max_new_tokens", type=int, default=96)

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModel, LlamaConfig, LlamaForCausalLM
+from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 import transformers_specblock
 from transformers_specblock import DFlashDraftModel, Eagle3DraftModel, SpecBlockConfig, SpecBlockDraftModel
@@ -29,14 +29,45 @@ def smollm2_shaped_target(seed: int = 0) -> LlamaForCausalLM:
     return LlamaForCausalLM(config).eval()
 
 
+def target_shaped_for(drafter, seed: int = 0):
+    """A random target of the architecture and sizes `drafter` checks (its vocabulary, hidden size, layer count and
+    model type; heads of 64 dimensions); narrow MLP."""
+    config = drafter.config
+    torch.manual_seed(seed)
+    heads = config.target_hidden_size // 64
+    target_config = AutoConfig.for_model(
+        config.target_model_type, vocab_size=config.vocab_size, hidden_size=config.target_hidden_size,
+        num_hidden_layers=config.target_num_hidden_layers, num_attention_heads=heads,
+        num_key_value_heads=next(k for k in (2, 3, 1) if heads % k == 0), intermediate_size=64,
+        tie_word_embeddings=True, bos_token_id=0, eos_token_id=None, pad_token_id=None, initializer_range=0.2,
+    )  # fmt: skip
+    return AutoModelForCausalLM.from_config(target_config).eval()
+
+
 def test_shipped_drafters_live_inside_the_package():
-    assert SHIPPED_DRAFTERS == (DFLASH, EAGLE3, SPECBLOCK)
+    assert set(SHIPPED_DRAFTERS) >= {DFLASH, EAGLE3, SPECBLOCK}
     for name in SHIPPED_DRAFTERS:
         folder = shipped_drafter_path(name)
         assert folder.parent == PACKAGE_DIR / "hub" / "shipped"
         assert {"config.json", "model.safetensors", "README.md"} <= {p.name for p in folder.iterdir()}
     with pytest.raises(ValueError, match="shipped drafters are dflash-smollm2-135m-instruct, eagle3-smollm2-135m-"):
         shipped_drafter_path("specblock-qwen")
+
+
+@pytest.mark.parametrize("name", SHIPPED_DRAFTERS)
+def test_every_shipped_drafter_loads_by_name_and_keeps_plain_greedy(name, one_thread):
+    """By name, on a random target of its target's shape (Qwen2 or Llama), as shipped ("auto" budget, free
+    candidates): the output is plain greedy's, in float32."""
+    drafter = AutoModel.from_pretrained(shipped_drafter_path(name)).eval()
+    assert type(drafter).from_pretrained(name).name_or_path == str(shipped_drafter_path(name))
+    target = target_shaped_for(drafter)
+    assert target.config.model_type == drafter.config.target_model_type
+    prompt = torch.tensor([[0, 11, 42, 7, 300, 5, 11, 42]])
+    expected = target.generate(prompt, max_new_tokens=12, do_sample=False)
+    out = target.generate(prompt, max_new_tokens=12, do_sample=False, assistant_model=drafter)
+    assert torch.equal(out, expected)
+    stats = drafter.last_stats  # the tree loop decoded the call
+    assert stats.iterations > 0 and stats.new_tokens == out.shape[1] - prompt.shape[1]
 
 
 def test_resolution_rule(tmp_path, monkeypatch):

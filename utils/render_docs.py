@@ -19,6 +19,7 @@ from campaign_figure import campaign_aims, campaign_status, campaign_svg  # noqa
 from cost_figure import cost_svg  # noqa: E402
 from docs_tables import command_reference  # noqa: E402
 from paired_tables import paired_table, variants_by_prompt  # noqa: E402
+from qwen_tables import run_table  # noqa: E402
 from tau_tables import calibration, penalty_sweep, tau_by_arm, tau_by_set  # noqa: E402
 from tree_figure import mask_svg, tree_svg  # noqa: E402
 
@@ -30,6 +31,7 @@ SINGLE_STREAM = {"bfloat16": ("glance-2026-12-06d-avx512bf16", "2026-12-06"),
 BATCHES = ("batch-control", "bfloat16", "2026-12-02")
 TARGET_COST = ("target-cost/amd-epyc.json", "2026-12-03")
 SUFFIX_STREAMS = ("suffix-streams-bf16", "2026-12-02")
+QWEN_WEIGHTLESS = {"HumanEval": "qwen-weightless-bf16/humaneval", "MT-Bench": "qwen-weightless-bf16/mt_bench"}
 ADAPTATION = ("adaptation-stream", "2026-12-04")
 GPU_TRAINING = ("gpu-h200-2026-11-30", "2026-11-30")
 CAMPAIGN_TAU = [  # (row label, folder under docs/results): the drafters shipped before the campaign, now, and its newest
@@ -403,6 +405,7 @@ SECTIONS = {
         "suffix-streams": lambda: embedded_table(*SUFFIX_STREAMS),
         "adaptation": adaptation,
         "gpu-training": gpu_training,
+        "qwen-weightless": lambda: run_table(QWEN_WEIGHTLESS),
     },
     "docs/reference/commands.md": {"commands": command_reference},
     "docs/training.md": {"tau-by-tokens": lambda: tau_by_set(TAU_BY_TOKENS)},

@@ -1,0 +1,75 @@
+"""Tables of `specblock-bench` runs on one target, one column per prompt set: speed-up over plain (total time), the
+per-prompt median beside it, tau and each drafter's drafting share (docs/benchmarks.md, the Qwen sections)."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parents[1] / "docs" / "results"
+NAMES = {
+    "plain_control": "plain again (A/A control)",
+    "prompt_lookup": "transformers' prompt lookup",
+    "lookup_tree": "lookup tree (no weights)",
+    "eagle3": "EAGLE-3",
+    "specblock": "SpecBlock",
+}
+
+
+def method_key(run: dict, key: str) -> str | None:
+    """The run's name for a method: `key`, or `key@auto` where the run named the budget."""
+    return next((name for name in (key, f"{key}@auto") if name in run["methods"]), None)
+
+
+def per_prompt_median(run: dict, method: str) -> tuple[float, int, int]:
+    """Median over prompts of plain's seconds per token over the method's, on how many prompts the method was
+    faster, and how many prompts there were."""
+    rows = run["per_prompt"]
+    plain = {r["prompt_id"]: r["seconds"] / r["new_tokens"] for r in rows if r["method"] == "plain"}
+    ratios = [plain[r["prompt_id"]] / (r["seconds"] / r["new_tokens"]) for r in rows if r["method"] == method]
+    return statistics.median(ratios), sum(q > 1 for q in ratios), len(ratios)
+
+
+def method_cell(run: dict, method: str) -> str:
+    """'1.26x (median 1.24, 8/8), tau 1.40, drafting 0.12' for a method of a run."""
+    stats = run["methods"][method]
+    median, faster, prompts = per_prompt_median(run, method)
+    text = f"{stats['speedup']:.2f}x (median {median:.2f}, {faster}/{prompts})"
+    if stats.get("tau") is not None:
+        text += f", tau {stats['tau']:.2f}"
+    if stats.get("drafter_forwards_per_iter"):  # (a method with a drafter)
+        text += f", drafting {stats['drafting_share']:.2f}"
+    return text
+
+
+def left_greedy(run: dict) -> str:
+    """'2 (gap 0.06)': on how many prompts the methods' outputs left plain greedy, summed over the methods, and the
+    largest gap between the float32 target's top two logits where one did (a near-tie when small)."""
+    methods = [m for name, m in run["methods"].items() if name != "plain"]
+    count = sum(m.get("left_greedy") or 0 for m in methods)
+    gaps = [m["max_fp32_gap"] for m in methods if m.get("max_fp32_gap") is not None]
+    return f"{count} (gap {max(gaps):.2f})" if count and gaps else str(count)
+
+
+def run_table(runs: dict[str, str]) -> str:
+    """One row per method, one column per run (title -> folder under docs/results holding results.json)."""
+    loaded = {title: json.loads((RESULTS / folder / "results.json").read_text()) for title, folder in runs.items()}
+    first = next(iter(loaded.values()))
+    lines = ["| method | " + " | ".join(loaded) + " |", "|---" * (len(loaded) + 1) + "|"]
+    lines.append("| plain | " + " | ".join(f"{r['methods']['plain']['tokens_per_s']:.2f} tok/s" for r in loaded.values())
+                 + " |")  # fmt: skip
+    for key, name in NAMES.items():
+        if all(method_key(r, key) for r in loaded.values()):
+            lines.append(f"| {name} | " + " | ".join(method_cell(r, method_key(r, key)) for r in loaded.values()) + " |")
+    settings = first["settings"]
+    left = ", ".join(f"{title} {left_greedy(run)}" for title, run in loaded.items())
+    return "\n".join([
+        *lines, "",
+        f"{settings['target_model']}, {settings['dtype']}, greedy, batch 1, {settings['num_prompts']} prompts x "
+        f"{settings['max_new_tokens']} new tokens per set, every method interleaved per prompt; {settings['hardware']}. "
+        "Speed-up over plain in total time; in brackets the per-prompt median of the ratio and on how many prompts the "
+        "method was faster; drafting: the share of decoding time spent drafting. Prompts on which a method's output left "
+        f"plain greedy, and the largest float32 logit gap where it did: {left}. Results: "
+        + ", ".join(f"[`{folder}`](results/{folder}/results.json)" for folder in runs.values()) + ".",
+    ])  # fmt: skip
