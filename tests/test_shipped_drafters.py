@@ -115,6 +115,16 @@ def test_bench_loads_the_shipped_drafters_by_default(one_thread):
         assert torch.equal(out, expected)
 
 
+def test_bench_block_rounds_methods_share_one_drafter():
+    from transformers_specblock.commands.cli import BenchArguments, build_methods
+
+    names = "specblock_one_block,specblock_two_blocks,specblock_three_blocks"
+    methods = build_methods(BenchArguments(target_model="smollm2-135m-instruct", methods=names),
+                            smollm2_shaped_target())  # fmt: skip
+    assert [m.tree_settings["max_blocks"] for m in methods] == [1, 2, 3]
+    assert len({id(m.generate_kwargs["assistant_model"]) for m in methods}) == 1
+
+
 def test_bench_names_the_choices_when_no_drafter_fits():
     from transformers_specblock.commands.cli import BenchArguments, build_methods
 
