@@ -52,8 +52,9 @@ def left_greedy(run: dict) -> str:
     return f"{count} (gap {max(gaps):.2f})" if count and gaps else str(count)
 
 
-def run_table(runs: dict[str, str]) -> str:
-    """One row per method, one column per run (title -> folder under docs/results holding results.json)."""
+def run_table(runs: dict[str, str], root: str) -> str:
+    """One row per method, one column per run (title -> folder under docs/results holding results.json); `root` is
+    docs/results as seen from the page."""
     loaded = {title: json.loads((RESULTS / folder / "results.json").read_text()) for title, folder in runs.items()}
     first = next(iter(loaded.values()))
     lines = ["| method | " + " | ".join(loaded) + " |", "|---" * (len(loaded) + 1) + "|"]
@@ -71,5 +72,5 @@ def run_table(runs: dict[str, str]) -> str:
         "Speed-up over plain in total time; in brackets the per-prompt median of the ratio and on how many prompts the "
         "method was faster; drafting: the share of decoding time spent drafting. Prompts on which a method's output left "
         f"plain greedy, and the largest float32 logit gap where it did: {left}. Results: "
-        + ", ".join(f"[`{folder}`](results/{folder}/results.json)" for folder in runs.values()) + ".",
+        + ", ".join(f"[`{folder}`]({root}/{folder}/results.json)" for folder in runs.values()) + ".",
     ])  # fmt: skip

@@ -405,9 +405,10 @@ SECTIONS = {
         "suffix-streams": lambda: embedded_table(*SUFFIX_STREAMS),
         "adaptation": adaptation,
         "gpu-training": gpu_training,
-        "qwen-weightless": lambda: run_table(QWEN_WEIGHTLESS),
+        "qwen-weightless": lambda: run_table(QWEN_WEIGHTLESS, "results"),
     },
     "docs/reference/commands.md": {"commands": command_reference},
+    "docs/results/qwen-weightless-bf16/README.md": {"qwen-weightless": lambda: run_table(QWEN_WEIGHTLESS, "..")},
     "docs/training.md": {"tau-by-tokens": lambda: tau_by_set(TAU_BY_TOKENS)},
     "docs/lab-notes/campaign.md": {
         "campaign-status": lambda: campaign_status(RESULTS / "campaign"),
