@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from transformers_specblock import Eagle3DraftModel, SpecBlockDraftModel
+from transformers_specblock import DFlashDraftModel, Eagle3DraftModel, SpecBlockDraftModel
 from transformers_specblock.commands.cli import parse_tree_budget
 from transformers_specblock.hub.loading import load_model
 from transformers_specblock.hub.prompts import load_prompts
@@ -33,12 +33,13 @@ from transformers_specblock.utils import import_pyplot
 DRAFTERS = {
     "specblock": (SpecBlockDraftModel, "specblock-smollm2-135m-instruct"),
     "eagle3": (Eagle3DraftModel, "eagle3-smollm2-135m-instruct"),
+    "dflash": (DFlashDraftModel, "dflash-smollm2-135m-instruct"),  # (refuses "head_only"; not in the default runs)
 }
 POLICIES = ("off", "always", "head_only", "full", "bandit")
 DEFAULT_RUNS = (
-    [f"shift/{drafter}/{policy}" for drafter in DRAFTERS for policy in POLICIES]
+    [f"shift/{drafter}/{policy}" for drafter in ("specblock", "eagle3") for policy in POLICIES]
     + ["mixed/specblock/off", "mixed/specblock/bandit"]
-    + [f"sharegpt/{drafter}/{policy}" for drafter in DRAFTERS for policy in ("off", "bandit")]
+    + [f"sharegpt/{drafter}/{policy}" for drafter in ("specblock", "eagle3") for policy in ("off", "bandit")]
 )
 
 

@@ -18,7 +18,7 @@ from conftest import make_drafter, make_target
 from scripted_clock import ScriptedMachine
 from test_dflash import make_dflash
 from test_sampling_lossless import ALPHA, PROMPT, SAMPLING, exact_marginals, fit_pvalues
-from transformers_specblock import Eagle3DraftModel, LookupTreeModel, SpecBlockDraftModel
+from transformers_specblock import DFlashDraftModel, Eagle3DraftModel, LookupTreeModel, SpecBlockDraftModel
 from transformers_specblock.generation.adaptation import (
     FULL,
     HEAD_ONLY,
@@ -687,7 +687,7 @@ def test_the_loaded_head_comes_back_where_the_served_one_agrees_less_with_greedy
     def fail(*args):
         raise AssertionError("compared while the loaded head is served")
 
-    monkeypatch.setattr(adapter_module, "first_token_acceptance", fail)
+    monkeypatch.setattr(adapter_module, "held_out_gains", fail)
     adapter = _held_out_call(drafter, [(s, [0, 1, 2], [0.6, 0.3, 0.1]) for s in states])
     adapter._keep_better_output_side()  # the loaded head is served: no comparison
     assert math.isnan(adapter.report.held_out_gain)
@@ -802,7 +802,7 @@ def test_bad_settings_are_refused():
     unbound = SpecBlockDraftModel(drafter.config)
     with pytest.raises(ValueError, match="needs a drafter bound to its target.*bind_target"):
         online_adapter_for(unbound)
-    with pytest.raises(ValueError, match="online_adaptation supports SpecBlock and EAGLE-3 drafters, not DFlash"):
+    with pytest.raises(ValueError, match="online_adaptation='head_only' does not apply to DFlash drafters"):
         make_dflash(target, online_adaptation="head_only")  # refused when set, not at the first generate
     with pytest.raises(ValueError, match="LookupTreeModel has no weights to adapt.*set online_adaptation='off'"):
         LookupTreeModel.from_target(target, online_adaptation="bandit")
@@ -836,15 +836,20 @@ def test_signal_collection_is_charged_to_adaptation_not_to_the_trees(monkeypatch
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["specblock-smollm2-135m-instruct", "eagle3-smollm2-135m-instruct"])
+@pytest.mark.parametrize(
+    "name", ["specblock-smollm2-135m-instruct", "eagle3-smollm2-135m-instruct", "dflash-smollm2-135m-instruct"]
+)
 def test_every_shipped_drafter_adapts_with_the_bandit_as_shipped(name):
     """The shipped drafters (bfloat16, their shipped tree settings) load with online_adaptation="bandit" and adapt
-    while serving the packaged target in float32, as on a CPU without native bfloat16; output stays plain greedy's."""
+    while serving the packaged target in float32, as on a CPU without native bfloat16; output stays plain greedy's.
+    DFlash drafts with the target's lm_head and embedding: those stay as they were."""
     from transformers_specblock import load_packaged_model
 
     target, tokenizer = load_packaged_model("smollm2-135m-instruct", dtype="float32")
-    drafter_class = SpecBlockDraftModel if name.startswith("specblock") else Eagle3DraftModel
-    drafter = drafter_class.from_pretrained(name, online_adaptation="bandit", tree_budget=8)
+    drafter_class = {"specblock": SpecBlockDraftModel, "eagle3": Eagle3DraftModel, "dflash": DFlashDraftModel}
+    drafter = drafter_class[name.split("-")[0]].from_pretrained(name, online_adaptation="bandit", tree_budget=8)
+    target_weights = {n: p.detach().clone() for n, p in target.named_parameters()}
+    loaded = {n: p.detach().clone() for n, p in drafter.named_parameters()}
     updates = []
     for question in ("Write a Python function that reverses a list.", "Name three uses of a hash map.") * 2:
         inputs = tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
@@ -854,4 +859,7 @@ def test_every_shipped_drafter_adapts_with_the_bandit_as_shipped(name):
         assert out.tolist() == plain.tolist()
         report = drafter.last_stats.adaptation
         updates += [(report.action, report.loss)] if report.action in ("head_only", "full") else []
+        if report.action == "full":  # served at once: the user's bfloat16 drafter takes what the float32 copy learnt
+            assert any(not torch.equal(p, loaded[n]) for n, p in drafter.named_parameters())
     assert updates and all(math.isfinite(loss) for _, loss in updates), updates  # the bandit trained on the signal
+    assert all(torch.equal(p, target_weights[n]) and p.grad is None for n, p in target.named_parameters())

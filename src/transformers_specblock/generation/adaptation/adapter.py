@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ...models.dflash.modeling_dflash import DFlashDraftModel
 from ...models.eagle3.modeling_eagle3 import Eagle3DraftModel
 from ...models.specblock.modeling_specblock import SpecBlockDraftModel
 from ...models.tree_drafter.modeling_tree_drafter import TreeDraftModel
@@ -40,8 +41,8 @@ from .update import (
     FULL,
     HEAD_ONLY,
     draft_logits,
-    first_token_acceptance,
-    greedy_agreement,
+    held_out_gains,
+    output_parameters,
     replay_states,
     train_candidate_head,
     trainable_parameters,
@@ -208,7 +209,9 @@ class OnlineAdapter:
         if self.policy in FIXED_ACTION:
             return FIXED_ACTION[self.policy]
         if self.policy not in self.bandits:
-            self.bandits[self.policy] = CostAwareBandit(POLICY_ARMS[self.policy])
+            # a drafter without an output side of its own (DFlash) has no head-only update: skip or the whole drafter
+            arms = POLICY_ARMS[self.policy] if output_parameters(self.drafter) else POLICY_ARMS["full"]
+            self.bandits[self.policy] = CostAwareBandit(arms)
         # measured (first-proposal acceptance, 32-token calls): +0.01..+0.24 on code after head updates, -0.01..+0.08
         # on held-out ShareGPT, where whole-drafter explorations cost tau
         return self.bandits[self.policy].choose(escalate=self.adapted_wins >= ESCALATION_CALLS)
@@ -287,14 +290,14 @@ class OnlineAdapter:
             return
         head = self._named(HEAD_ONLY)
         head_names = {n for n, _ in head}
-        if self.full_updates and any(
+        if not head or self.full_updates and any(
             not torch.equal(p, loaded[n]) for n, p in self.drafter.named_parameters() if n not in head_names
         ):  # (comparing every weight takes 13-25 ms, 0.5-1% of a 32-token call: only after a whole-drafter update)
-            gains = self._keep_better_drafter(loaded)  # a whole-drafter update changed the body
+            gains = self._keep_better_drafter(loaded)  # a whole-drafter update changed the body (DFlash: all of it)
         else:
             states = torch.stack([s.state for s in fresh]).to(self.drafter.device, self.drafter.dtype)
             normed = self.drafter.norm(states)
-            gains = _gains(self.drafter.lm_head(normed), F.linear(normed, loaded["lm_head.weight"]), fresh)
+            gains = held_out_gains(self.drafter.lm_head(normed), F.linear(normed, loaded["lm_head.weight"]), fresh)
             self.report.held_out_gain = gains[0]
             if min(gains) < 0.0:
                 for name, param in head:
@@ -320,7 +323,7 @@ class OnlineAdapter:
             self.candidate = candidate
             return
         normed = self.drafter.norm(torch.stack([s.state for s in fresh]).to(self.drafter.device, self.drafter.dtype))
-        gains = _gains(F.linear(normed, candidate["lm_head.weight"]), self.drafter.lm_head(normed), fresh)
+        gains = held_out_gains(F.linear(normed, candidate["lm_head.weight"]), self.drafter.lm_head(normed), fresh)
         self.report.candidate_gain = gains[0]
         self.candidate_wins = self.candidate_wins + 1 if min(gains) >= PROMOTION_GAIN else 0
         if 0 < self.candidate_wins < PROMOTION_CALLS:
@@ -342,7 +345,7 @@ class OnlineAdapter:
         current = draft_logits(self.drafter, replay_states(self.drafter, replayable))
         with self.drafter.loaded_weights_in_place(True):
             before = draft_logits(self.drafter, replay_states(self.drafter, replayable))
-        gains = _gains(current, before, replayable)
+        gains = held_out_gains(current, before, replayable)
         self.report.held_out_gain = gains[0]
         if min(gains) >= 0.0:
             return gains
@@ -359,20 +362,14 @@ class OnlineAdapter:
         return [s for s in self.fresh if s.body_version == self.body_version and not s.covered]
 
     def _head_versions(self) -> tuple[int, ...]:
-        """Identity and in-place version of each head weight: equal to `loaded_head` while the loaded head is served."""
-        return tuple(v for _, p in self._named(HEAD_ONLY) for v in (p.data_ptr(), p._version))
+        """Identity and in-place version of each head weight (DFlash, without a head of its own: every weight): equal to
+        `loaded_head` while the loaded ones are served."""
+        params = output_parameters(self.drafter) or list(self.drafter.parameters())
+        return tuple(v for p in params for v in (p.data_ptr(), p._version))
 
     def _named(self, action: str) -> list[tuple[str, torch.nn.Parameter]]:
         wanted = {id(p) for p in trainable_parameters(self.drafter, action)}
         return [(n, p) for n, p in self.drafter.named_parameters() if id(p) in wanted]
-
-
-def _gains(tried: torch.Tensor, served: torch.Tensor, samples: list[SignalSample]) -> tuple[float, float]:
-    """What output side `tried` gains over `served` (draft logits [S, Vd] at the same states) per sample: first-proposal
-    acceptance (`update.first_token_acceptance`) and greedy agreement (`update.greedy_agreement`)."""
-    soft = first_token_acceptance(tried, samples) - first_token_acceptance(served, samples)
-    greedy = greedy_agreement(tried, samples) - greedy_agreement(served, samples)
-    return soft / len(samples), greedy / len(samples)
 
 
 def online_adapter_for(drafter: TreeDraftModel, state: ServingState | None = None) -> OnlineAdapter:
@@ -384,9 +381,9 @@ def online_adapter_for(drafter: TreeDraftModel, state: ServingState | None = Non
             f"{type(drafter).__name__} has no weights to adapt: set online_adaptation='off' (free candidates already "
             "learn their scores while serving)."
         )
-    if not isinstance(drafter, (SpecBlockDraftModel, Eagle3DraftModel)):
+    if not isinstance(drafter, (SpecBlockDraftModel, Eagle3DraftModel, DFlashDraftModel)):
         raise ValueError(
-            f"online_adaptation supports SpecBlock and EAGLE-3 drafters, not {type(drafter).__name__}: set "
+            f"online_adaptation supports SpecBlock, EAGLE-3 and DFlash drafters, not {type(drafter).__name__}: set "
             "online_adaptation='off' for it."
         )
     if drafter.bound_embedding is None:

@@ -29,7 +29,8 @@ class SignalSample:
     wrong: bool  # the drafter's best proposal here was not the token the target committed
     body_version: int  # which drafter body computed `state` (a whole-drafter update makes older states stale)
     depth: int = 1  # depth of the position in its tree (1: right after the root, whatever was accepted)
-    slot: int = -1  # the root position's output slot a replay of `context` reproduces (-1: not replayable)
+    slot: int = -1  # the root position's output slot a replay of `context` reproduces (DFlash: the block position;
+    # -1: not replayable)
     context: Context | None = None  # committed positions ending at the root's drafter position
     covered: bool = False  # a free candidate source had proposed the committed token here (it was accepted whatever
     # the drafter proposed): a better head would not have changed this position

@@ -8,6 +8,8 @@ top-k at the signal's positions.
   `adaptation_context` positions before each sample's root) through the drafter with gradients.
 SpecBlock's rank head is not trained online (it still sees the adapted head's distribution through its features):
 trained on one call's labels it cost tau on the next call, in domain and out (measured, docs/design.md).
+DFlash drafts with the target's own `lm_head` (frozen, never given a gradient): it has no output side of its own, so
+its only update is "full", on replays of its block (`_replay_dflash_block`).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import DynamicCache
 
+from ...models.dflash.modeling_dflash import DFlashDraftModel
 from ...models.eagle3.modeling_eagle3 import Eagle3DraftModel
 from ...models.specblock.modeling_specblock import SpecBlockDraftModel, block_causal_mask
 from ...models.tree_drafter.modeling_tree_drafter import TreeDraftModel
@@ -32,8 +35,8 @@ BODY_LR_SCALE = 0.1  # the body's learning rate relative to the output side's (a
 
 
 def output_parameters(drafter: TreeDraftModel) -> list[nn.Parameter]:
-    """The output side: `lm_head`."""
-    return list(drafter.lm_head.parameters())
+    """The output side: `lm_head` (none for DFlash, whose output layer is the target's)."""
+    return [] if isinstance(drafter, DFlashDraftModel) else list(drafter.lm_head.parameters())
 
 
 def trainable_parameters(drafter: TreeDraftModel, action: str) -> list[nn.Parameter]:
@@ -45,13 +48,18 @@ def trainable_parameters(drafter: TreeDraftModel, action: str) -> list[nn.Parame
 
 
 def draft_logits(drafter: TreeDraftModel, states: torch.Tensor) -> torch.Tensor:
-    """Pre-norm drafter states [S, H] -> draft logits [S, Vd]."""
+    """Drafter states [S, H] (pre-norm; DFlash: its block outputs, normed) -> draft logits [S, Vd]. DFlash reads the
+    target's `lm_head` weight detached, so no gradient reaches it (its draft vocabulary is the full one)."""
+    if isinstance(drafter, DFlashDraftModel):
+        weight, _ = drafter.target_head()  # [V, H]
+        return F.linear(states.to(weight.device, weight.dtype), weight.detach())
     return drafter.lm_head(drafter.norm(states))
 
 
 def replay_states(drafter: TreeDraftModel, samples: list[SignalSample]) -> torch.Tensor:
     """[S, H] the samples' states recomputed (with gradients) from their committed contexts: samples of one verified
-    tree share a context, and contexts of one length run as one batched drafter forward."""
+    tree share a context, and contexts of one length run as one batched drafter forward. A sample's `slot` picks its
+    state among its context's outputs (the root position's output slot; DFlash: the block position)."""
     contexts: dict[int, int] = {}  # id(context) -> row among the distinct contexts
     distinct = []
     for sample in samples:
@@ -72,10 +80,12 @@ def replay_states(drafter: TreeDraftModel, samples: list[SignalSample]) -> torch
 def _replay_root_outputs(
     drafter: TreeDraftModel, features: torch.Tensor, tokens: torch.LongTensor, positions: torch.LongTensor
 ) -> torch.Tensor:
-    """[G, K, H] (EAGLE-3: K = 1) the last position's output states of G contexts of C positions (features
-    [G, C, 3H], tokens and positions [G, C]) from a fresh drafter pass: the first C-1 positions without gradients
-    into a cache, the last one with (truncated backpropagation: the update does not flow through the context's keys
-    and values, which keeps a whole-drafter update to one position's backward per sample)."""
+    """[G, K, H] (EAGLE-3: K = 1; DFlash: `_replay_dflash_block`) the last position's output states of G contexts of
+    C positions (features [G, C, 3H], tokens and positions [G, C]) from a fresh drafter pass: the first C-1 positions
+    without gradients into a cache, the last one with (truncated backpropagation: the update does not flow through the
+    context's keys and values, which keeps a whole-drafter update to one position's backward per sample)."""
+    if isinstance(drafter, DFlashDraftModel):
+        return _replay_dflash_block(drafter, features, tokens, positions)
     batch, num_pos = tokens.shape
     device = drafter.device
     tokens, positions = tokens.to(device), positions.to(device)
@@ -103,6 +113,23 @@ def _replay_root_outputs(
         mask = torch.ones(batch, 1, num_pos, dtype=torch.bool, device=device)
         return drafter.draft_step(fused[:, -1:], tokens[:, -1:], positions[:, -1:], mask, cache).hidden_states
     raise TypeError(f"No replay is defined for {type(drafter).__name__}; use online_adaptation='head_only'.")
+
+
+def _replay_dflash_block(
+    drafter: DFlashDraftModel, features: torch.Tensor, tokens: torch.LongTensor, positions: torch.LongTensor
+) -> torch.Tensor:
+    """[G, Q, H] DFlash's block outputs (Q = block_size; position d's output proposed depth d) for G contexts of C
+    committed positions ending at the root (features [G, C, L * H_target] of the positions before tokens [G, C] at
+    rotary positions [G, C]): one fresh forward of the context and the block [root, mask, ...], as the generator ran
+    it with the context cut to these C positions. The context runs with gradients too: it only feeds each layer's
+    keys / values (no layer runs over it), so this costs C rows of projections and trains `fc` / `hidden_norm`."""
+    device = drafter.device
+    positions = positions.to(device)
+    block = positions[:, -1:] + torch.arange(drafter.config.block_size, device=device)  # [G, Q]: root, root + 1, ...
+    embeds = drafter.embed_block(tokens[:, -1].to(device))  # [G, Q, H], the target's embedding without gradient
+    # a feature f_i is at position i, the token it predicts at i + 1
+    position_ids = torch.cat([positions - 1, block], dim=1)  # [G, C + Q]
+    return drafter(noise_embeds=embeds, context_hidden_states=features, position_ids=position_ids).last_hidden_state
 
 
 def adaptation_loss(
@@ -144,12 +171,21 @@ def greedy_agreement(logits: torch.Tensor, samples: list[SignalSample]) -> int:
     return int((logits.argmax(-1) == best).sum())
 
 
+def held_out_gains(tried: torch.Tensor, served: torch.Tensor, samples: list[SignalSample]) -> tuple[float, float]:
+    """What output side `tried` gains over `served` (draft logits [S, Vd] at the same states) per sample: first-proposal
+    acceptance (`first_token_acceptance`) and greedy agreement (`greedy_agreement`)."""
+    soft = first_token_acceptance(tried, samples) - first_token_acceptance(served, samples)
+    greedy = greedy_agreement(tried, samples) - greedy_agreement(served, samples)
+    return soft / len(samples), greedy / len(samples)
+
+
 @torch.no_grad()
 def sgd_step(groups: list[tuple[list[nn.Parameter], float]]) -> None:
-    """One plain gradient step per (parameters, learning rate) group."""
+    """One plain gradient step per (parameters, learning rate) group (a group without gradients is left alone)."""
     for params, learning_rate in groups:
-        grads = [p.grad for p in params if p.grad is not None]
-        torch._foreach_add_([p for p in params if p.grad is not None], grads, alpha=-learning_rate)
+        stepped = [p for p in params if p.grad is not None]
+        if stepped:
+            torch._foreach_add_(stepped, [p.grad for p in stepped], alpha=-learning_rate)
 
 
 def train_candidate_head(
@@ -198,18 +234,20 @@ def update_whole_drafter(
 ) -> float | None:
     """A whole-drafter update, in place: `FULL_STEPS` plain gradient steps at `FULL_LR_SCALE` of `learning_rate` on
     the newest `FULL_STORED` states the current body computed (output side) plus the newest `FULL_BATCH` replayable
-    samples (every weight but the rank head; the body at `BODY_LR_SCALE` of the head's rate). Returns the first
+    samples (every weight but the rank head; the body at `BODY_LR_SCALE` of the head's rate; DFlash, without an output
+    side of its own: the replayed samples alone, every weight at the body's rate). Returns the first
     step's loss, or None when there is nothing to learn from (nothing is changed then).
 
     Plain SGD, not Adam: Adam's first steps move every weight by about the learning rate whatever its gradient, and
     a whole-drafter update is served at once; a gradient step moves a weight as much as the signal asks (measured,
     docs/design.md)."""
-    stored_samples = buffer.for_head(body_version, FULL_STORED)
+    head = output_parameters(drafter)
+    # stored states train the output side alone (DFlash has none: its update is the replay's)
+    stored_samples = buffer.for_head(body_version, FULL_STORED) if head else []
     replay = buffer.for_replay(FULL_BATCH)
     if not stored_samples and not replay:
         return None
     learning_rate *= FULL_LR_SCALE
-    head = output_parameters(drafter)
     head_ids = {id(p) for p in head}
     body = [p for p in trainable_parameters(drafter, FULL) if id(p) not in head_ids]
     groups = [(head, learning_rate), (body, learning_rate * BODY_LR_SCALE)]

@@ -222,9 +222,10 @@ class TreeCandidateGenerator:
         self, nodes: torch.LongTensor, states: torch.Tensor, root_slots: torch.LongTensor | None = None
     ) -> None:
         """Record (when adaptation asks) that each of `nodes` [n] was drafted from the distribution of the drafter's
-        pre-norm state `states[i]` [n, H] (siblings share one state). `root_slots` [n]: the slot of the root
-        position's own output that state is (SpecBlock's block 1; EAGLE-3's root output is slot 0), which a replay of
-        the committed context reproduces; None for states of follow-up blocks or expansion rounds."""
+        pre-norm state `states[i]` [n, H] (siblings share one state; DFlash: its normed block output). `root_slots`
+        [n]: the slot of the root position's own output that state is (SpecBlock's block 1; EAGLE-3's root output is
+        slot 0; DFlash: the block position), which a replay of the committed context reproduces; None for states of
+        follow-up blocks or expansion rounds."""
         if self.keep_producers:
             self.producers.append((nodes, states.detach(), root_slots))
 

@@ -89,6 +89,11 @@ class DFlashCandidateGenerator(TreeCandidateGenerator):
         log_probs = drafter.draft_logits(out.last_hidden_state[0, 1 : depth + 1]).float().log_softmax(-1)  # [D, V]
         top_lp, top_ids = log_probs.topk(min(self.top_k, log_probs.shape[-1]), dim=-1)
         tree = best_first_tree(top_lp, top_ids, self.tree_budget)
+        if self.keep_producers:  # online adaptation: a depth-d node came from block position d's output, which a
+            # replay of the committed context reproduces (its slot: the block position)
+            depths = torch.tensor(tree.depths[1:], dtype=torch.long, device=device)  # [n]
+            nodes = torch.arange(1, len(tree), device=device)
+            self.note_producers(nodes, out.last_hidden_state[0, depths], depths)
         self.stats.blocks_per_iteration.append(1)
         self._account(start)
         return tree

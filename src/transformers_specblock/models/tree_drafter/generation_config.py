@@ -182,8 +182,9 @@ class TreeGenerationConfig(GenerationConfig):
             side, `lm_head`, after every call, served once it has beaten the served one on the next two calls; no
             new candidate while one that won once awaits its second test); "full" (a
             cost-aware bandit choosing between skipping and a whole-drafter update); "bandit" (the cost-aware bandit
-            over skip / output side / whole drafter). The signal is the target distribution the verification already
-            computed; outputs are unchanged.
+            over skip / output side / whole drafter). DFlash drafters draft with the target's output layer: no
+            "head_only", and their "bandit" chooses between skip and whole drafter. The signal is the target
+            distribution the verification already computed; outputs are unchanged.
         adaptation_learning_rate: Learning rate of a whole-drafter update's plain gradient steps (its output side
             moves at half of it, the other weights at a twentieth).
         adaptation_head_learning_rate: Adam learning rate of a head-only update (the candidate `lm_head`).
@@ -197,12 +198,13 @@ class TreeGenerationConfig(GenerationConfig):
             see docs/benchmarks.md for where it pays.
     """
 
-    # the tree-shape settings this family reads (`SHAPE_SETTINGS` of other families keep their defaults), whether
-    # its drafters adapt online and whether they have a forward to compile
+    # the tree-shape settings this family reads (`SHAPE_SETTINGS` of other families keep their defaults), the
+    # online_adaptation policies its drafters accept ("off" alone: they do not adapt) and whether they have a forward
+    # to compile
     shape_settings: ClassVar[tuple[str, ...]] = SHAPE_SETTINGS
-    adapts: ClassVar[bool] = True
+    adaptation_policies: ClassVar[tuple[str, ...]] = ADAPTATION_POLICIES
     compiles: ClassVar[bool] = True
-    no_adaptation: ClassVar[str] = ""  # why a family that does not adapt does not
+    no_adaptation: ClassVar[str] = ""  # why a family refuses the policies it does not accept
 
     def __init__(self, **kwargs: Any) -> None:
         settings = {name: kwargs.pop(name, default) for name, default in DRAFTING_DEFAULTS.items()}
@@ -217,7 +219,7 @@ class TreeGenerationConfig(GenerationConfig):
         if name in SHAPE_SETTINGS:
             return name in cls.shape_settings
         if name in ADAPTATION_SETTINGS:
-            return cls.adapts
+            return len(cls.adaptation_policies) > 1
         return cls.compiles or name != "compile_drafter"
 
     def drafting_settings(self, names: Any = DRAFTING_SETTINGS) -> dict[str, Any]:
@@ -335,8 +337,9 @@ class TreeGenerationConfig(GenerationConfig):
 
     def _validate_adaptation_settings(self) -> None:
         check_choice("online_adaptation", self.online_adaptation, ADAPTATION_POLICIES)
-        if not self.adapts and self.online_adaptation != "off":
-            raise ValueError(f"{self.no_adaptation}: set online_adaptation='off'.")
+        if self.online_adaptation not in self.adaptation_policies:
+            allowed = " or ".join(repr(p) for p in self.adaptation_policies)
+            raise ValueError(f"{self.no_adaptation}: set online_adaptation={allowed}.")
         for name in ("adaptation_learning_rate", "adaptation_head_learning_rate"):
             rate = getattr(self, name)
             if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not rate > 0:
@@ -361,13 +364,14 @@ class Eagle3GenerationConfig(TreeGenerationConfig):
 
 class DFlashGenerationConfig(TreeGenerationConfig):
     """The decoding settings of a DFlash drafter: `TreeGenerationConfig`'s, with `tree_top_k` (candidates per block
-    position); no online adaptation."""
+    position); online adaptation updates the whole drafter (no "head_only": its output layer is the target's)."""
 
     shape_settings = ("tree_top_k",)
-    adapts = False
+    adaptation_policies = ("off", "always", "full", "bandit")
     no_adaptation = (
-        "online_adaptation supports SpecBlock and EAGLE-3 drafters, not DFlash drafters (they draft with the target's "
-        "own output layer)"
+        "online_adaptation='head_only' does not apply to DFlash drafters: they draft with the target's own output "
+        "layer, which adaptation never changes, so a DFlash update is a whole-drafter one ('bandit' chooses between "
+        "it and skipping)"
     )
 
 
@@ -376,7 +380,8 @@ class LookupTreeGenerationConfig(TreeGenerationConfig):
     cache, suffix cache); no tree shape, online adaptation or compiling."""
 
     shape_settings = ()
-    adapts = compiles = False
+    adaptation_policies = ("off",)
+    compiles = False
     no_adaptation = "LookupTreeModel has no weights to adapt (its free candidates learn their scores while serving)"
 
 
