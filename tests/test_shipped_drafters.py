@@ -123,6 +123,9 @@ def test_bench_block_rounds_methods_share_one_drafter():
                             smollm2_shaped_target())  # fmt: skip
     assert [m.tree_settings["max_blocks"] for m in methods] == [1, 2, 3]
     assert len({id(m.generate_kwargs["assistant_model"]) for m in methods}) == 1
+    deep = build_methods(BenchArguments(target_model="smollm2-135m-instruct", methods="eagle3,eagle3_depth6"),
+                         smollm2_shaped_target())  # fmt: skip
+    assert [m.tree_settings.get("tree_depth") for m in deep] == [None, 6]
 
 
 def test_bench_names_the_choices_when_no_drafter_fits():

@@ -76,7 +76,8 @@ class BenchArguments:
             "help": "Comma list of: plain (always run, the reference), plain_control (plain `generate` timed once more "
             "as if it were a method: its ratio to plain is the run's noise floor), prompt_lookup (transformers'), "
             "assisted, specblock (as shipped), specblock_fixed_tree, specblock_one_block / specblock_two_blocks / "
-            "specblock_three_blocks (1, 2 or 3 block rounds), specblock_reference / "
+            "specblock_three_blocks (1, 2 or 3 block rounds), eagle3_depth6 (EAGLE-3 drafting 6 levels deep), "
+            "specblock_reference / "
             "specblock_reference_one_block (the trees grown as the method's reference implementation grows them, "
             "tree_construction='reference', two or one block rounds), eagle3, lookup_tree (prompt lookup and an "
             "n-gram cache as a tree, no drafter), specblock+lookup, eagle3+lookup (the drafter's tree with those free "
@@ -183,6 +184,7 @@ TREE_METHODS = {
     "specblock_reference": ("specblock", {"tree_construction": "reference"}),
     "specblock_reference_one_block": ("specblock", {"tree_construction": "reference", "max_blocks": 1}),
     "eagle3": ("eagle3", {}),
+    "eagle3_depth6": ("eagle3", {"tree_depth": 6}),
     "lookup_tree": ("lookup_tree", {}),
     "specblock+lookup": ("specblock", {"lookup": True}),
     "eagle3+lookup": ("eagle3", {"lookup": True}),
