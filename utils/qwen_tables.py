@@ -13,7 +13,11 @@ NAMES = {
     "prompt_lookup": "transformers' prompt lookup",
     "lookup_tree": "lookup tree (no weights)",
     "eagle3": "EAGLE-3",
+    "eagle3_depth6": "EAGLE-3, 6 levels deep",
     "specblock": "SpecBlock",
+    "specblock_one_block": "SpecBlock, 1 block round",
+    "specblock_two_blocks": "SpecBlock, 2 block rounds",
+    "specblock_three_blocks": "SpecBlock, 3 block rounds",
 }
 
 
