@@ -152,6 +152,9 @@ def test_training_reads_the_store_as_it_computes_online(workspace):
         return next(e["loss"] for e in history if "loss" in e)
 
     assert first_loss(root / "from-store") == pytest.approx(first_loss(root / "online"), rel=1e-4)
+    # the card's data line counts the stored conversations (not 0 for a folder)
+    record = json.loads((root / "from-store" / "training_record.json").read_text())["training"]
+    assert record["data"].startswith("24 conversations of the feature store 'store-train' over 'records.jsonl'")
     with pytest.raises(ValueError, match="max_length"):
         train_main([*common, "--max_length", "32", "--feature_store", str(store), "--output_dir", str(root / "bad")])
 

@@ -140,6 +140,8 @@ def load_conversations(source: str, limit: int | None = None) -> list[list[dict[
     return [normalize_conversation(r) for r in records]
 
 
+FEATURES_INFO = "features_info.json"
+"""The index of a folder of precomputed features or a feature store (`features`, `feature_store`)."""
 REGENERATED_KEY = "regenerated"
 """Key of the record `commands.regenerate` writes into every conversation it produces (who answered, how)."""
 SHAREGPT_HUB_ID = "anon8231489123/ShareGPT_Vicuna_unfiltered"
@@ -174,11 +176,16 @@ def describe_training_data(
             "datasets": [SHAREGPT_HUB_ID],
             "self_distilled": False,
         }
-    records = _read_records(Path(source))[:limit] if os.path.isfile(source) else []
+    records, name = _source_records(Path(source))
+    records = records[:limit]
     marks = [r.get(REGENERATED_KEY) for r in records]
     marked = [m for m in marks if isinstance(m, dict)]
-    name = f"the local file {Path(source).name!r}" if os.path.isfile(source) else repr(source)
-    head = f"{len(records)} conversations of {name} ({upto}, truncated to {max_length} tokens)"
+    kinds = {}
+    for record in records:  # records of a mixed file name their source (commands.build_data)
+        if record.get("source"):
+            kinds[record["source"]] = kinds.get(record["source"], 0) + 1
+    mix = f", by source: {', '.join(f'{kind} {count}' for kind, count in kinds.items())}" if kinds else ""
+    head = f"{len(records)} conversations of {name} ({upto}, truncated to {max_length} tokens{mix})"
     datasets_used = [SHAREGPT_HUB_ID] if any("sharegpt" in str(m.get("prompts", "")) for m in marked) else None
     if not marked:
         return {
@@ -200,6 +207,20 @@ def describe_training_data(
             parts.append(f"{len(records) - len(marked)} as written in the file")
         text = f"{head}: " + "; ".join(parts) + " - NOT all responses of the target"
     return {"data": text, "datasets": datasets_used, "self_distilled": len(own) == len(records) > 0}
+
+
+def _source_records(source: Path) -> tuple[list[dict], str]:
+    """The records a training source holds and how to name it: a local file's, or the stored ones of a feature store
+    (its records file, the ids its complete shards hold)."""
+    if (source / FEATURES_INFO).is_file():
+        info = json.loads((source / FEATURES_INFO).read_text())
+        wanted = {i for shard in info.get("shards", []) for i in shard.get("ids", [])}
+        records_file = Path(info.get("records_file", ""))
+        records = [r for r in _read_records(records_file) if r.get("id") in wanted] if records_file.is_file() else []
+        return records, f"the feature store {source.name!r} over {records_file.name!r}, {info.get('num_tokens', 0):,} tokens,"
+    if source.is_file():
+        return _read_records(source), f"the local file {source.name!r}"
+    return [], repr(str(source))
 
 
 def _apply(tokenizer: PreTrainedTokenizerBase, messages: list[dict], generation_prompt: bool = False) -> str:

@@ -19,11 +19,10 @@ from safetensors.torch import save_file
 from transformers import PreTrainedModel
 from transformers.utils import logging
 
-from .data import SpecBlockDataCollator
+from .data import FEATURES_INFO, SpecBlockDataCollator
 
 logger = logging.get_logger(__name__)
 
-FEATURES_INFO = "features_info.json"
 FEATURES_FORMAT = "specblock-features-v1"
 
 
