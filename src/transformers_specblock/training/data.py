@@ -217,7 +217,7 @@ def _source_records(source: Path) -> tuple[list[dict], str]:
         wanted = {i for shard in info.get("shards", []) for i in shard.get("ids", [])}
         records_file = Path(info.get("records_file", ""))
         records = [r for r in _read_records(records_file) if r.get("id") in wanted] if records_file.is_file() else []
-        return records, f"the feature store {source.name!r} over {records_file.name!r}, {info.get('num_tokens', 0):,} tokens,"
+        return records, f"the feature store {source.name!r} over {records_file.name!r}, {info.get('num_tokens', 0):,} tokens"
     if source.is_file():
         return _read_records(source), f"the local file {source.name!r}"
     return [], repr(str(source))
