@@ -205,9 +205,10 @@ class TreeDrafterConfig(PretrainedConfig):
 
     def to_dict(self) -> dict[str, Any]:
         """`PretrainedConfig.to_dict` of the architecture only: without legacy decoding settings (they live in
-        `generation_config.json`), training settings and the training record (``training_record.json``)."""
+        `generation_config.json`), training settings, the training record (``training_record.json``) and the
+        ``use_cache`` the `Trainer` sets on every model it trains (a drafter's cache follows `generate`)."""
         output = super().to_dict()
-        hidden = ("legacy_drafting_settings", "training_record", "_training_record_read")
+        hidden = ("legacy_drafting_settings", "training_record", "_training_record_read", "use_cache")
         for key in (*hidden, *self.training_settings, *RECORD_SECTIONS):
             output.pop(key, None)
         return output
