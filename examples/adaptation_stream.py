@@ -4,6 +4,8 @@ code, then chat, a shuffled mix of both, and held-out ShareGPT (in domain), unde
     OMP_NUM_THREADS=1 python examples/adaptation_stream.py --output_dir out/adaptation \
         --num_code 12 --num_chat 6 --num_sharegpt 8 --max_new_tokens 48
 
+Another target takes its own drafters: `--target_model qwen2.5-coder-0.5b-instruct --dtype bfloat16
+--specblock_model specblock-qwen2.5-coder-0.5b-instruct --eagle3_model eagle3-qwen2.5-coder-0.5b-instruct`.
 A run is stream/drafter/policy, optionally with a label (`shift/specblock/off/repeat`: a second "off" run, the
 A/A control of the timings): a freshly loaded drafter serves the stream's prompts one `generate` call each
 (greedy, a fixed tree budget); the runs of one stream are interleaved prompt by prompt, so that the machine's slower
@@ -47,6 +49,9 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--output_dir", required=True)
     parser.add_argument("--target_model", default="smollm2-135m-instruct")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="the target's and drafters'")
+    for name, (_, shipped) in DRAFTERS.items():
+        parser.add_argument(f"--{name}_model", default=shipped, help=f"the {name} drafter: a shipped name or a folder")
     parser.add_argument("--runs", default=",".join(DEFAULT_RUNS), help="comma-separated stream/drafter/policy")
     parser.add_argument("--num_code", type=int, default=12, help="HumanEval prompts opening the shift stream")
     parser.add_argument("--num_chat", type=int, default=6, help="MT-Bench prompts after them (round-robin categories)")
@@ -93,7 +98,8 @@ def plain_references(target, tokenizer, streams, max_new_tokens: int) -> dict[st
 
 def load_drafter(drafter_name: str, policy: str, tokenizer, target, args):
     """A freshly loaded drafter under `policy`, warmed up untimed (the warm-up leaves its weights as loaded)."""
-    cls, path = DRAFTERS[drafter_name]
+    cls, _ = DRAFTERS[drafter_name]
+    path = getattr(args, f"{drafter_name}_model")
     drafter = cls.from_pretrained(path, online_adaptation=policy, tree_budget=args.tree_budget)
     with drafter.tree_settings(online_adaptation="off"):
         target.generate(**encode(tokenizer, {"text": "Hello"}), assistant_model=drafter, max_new_tokens=8)
@@ -236,7 +242,7 @@ def main() -> None:
     out_dir = Path(args.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(args.seed)
-    target, tokenizer = load_model(args.target_model, device="cpu", dtype="float32")
+    target, tokenizer = load_model(args.target_model, device="cpu", dtype=args.dtype)
     streams = build_streams(tokenizer, args)
     references = plain_references(target, tokenizer, streams, args.max_new_tokens)
     log = out_dir / "calls.jsonl"

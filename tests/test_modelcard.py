@@ -7,6 +7,7 @@ config and record, and every figure in a card's metadata is read from a results 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -246,6 +247,31 @@ def shipped_folders() -> list[Path]:
     return sorted({c.parent for c in configs if (c.parent / "model.safetensors").is_file()})
 
 
+def test_qwen_drafters_cards_name_target_data_and_the_equal_cpu_budget():
+    folders = [folder for folder in shipped_folders() if "-qwen2.5-coder-" in folder.name]
+    assert {folder.name.split("-")[0] for folder in folders} == {"specblock", "eagle3"}
+    budgets = set()
+    for folder in folders:
+        card, record = (folder / "README.md").read_text(encoding="utf-8"), record_of(folder)
+        info, evaluation = record["training"], record["evaluation"]
+        assert json.loads((folder / "config.json").read_text())["base_model_id"] == "Qwen/Qwen2.5-Coder-0.5B-Instruct"
+        assert "the Q4_K_M GGUF" in card and 'load_packaged_model("qwen2.5-coder-0.5b-instruct"' in card
+        assert f'.from_pretrained("{folder.name}")' in card
+        # the shared feature store, by source; one schedule in CPU time, run to its budget (annealed)
+        assert "feature store" in info["data"] and all(f"{source} " in info["data"] for source in ("sharegpt", "code"))
+        assert "--feature_store" in info["command"] and "--lr_scheduler_type warmup_stable_decay" in info["command"]
+        budgets.add(re.search(r"--max_train_cpu_hours (\S+)", info["command"]).group(1))
+        assert abs(info["train_cpu_minutes"] - 60 * float(budgets.copy().pop())) < 3
+        assert f"{info['train_tokens'] / 1e6:.2f}M training tokens" in card and "avx512_bf16" in card
+        shipped = [row for row in evaluation if row["kind"] == "as_shipped"]
+        alone = [row for row in evaluation if row["kind"] == "drafter_alone"]
+        assert {row["dataset"] for row in shipped} == {"humaneval", "mt_bench"}
+        assert all(row["prompts"] >= 16 and row["max_new_tokens"] >= 128 for row in shipped)
+        assert all(row["setting"].startswith("as shipped: bfloat16") for row in shipped)
+        assert {row["tree_budget"] for row in alone} == {8, 16, 32} and all(r["free_candidates"] == "off" for r in alone)
+    assert len(budgets) == 1, budgets  # both drafters trained for the same CPU time
+
+
 SHIPPED_SESSIONS = {"specblock": (4, "steps 280-350"), "eagle3": (3, "steps 150-700")}
 
 
@@ -257,6 +283,8 @@ def test_shipped_cards_are_what_the_generator_makes_of_their_config(tmp_path):
         assert (folder / "README.md").read_text(encoding="utf-8") == generated, (
             f"{folder}/README.md is not the generated card: run python -m transformers_specblock.commands.card {folder}"
         )
+        if not folder.name.endswith("-smollm2-135m-instruct"):
+            continue  # the Qwen drafters: test_qwen_drafters_cards_name_target_data_and_the_equal_cpu_budget
         config, record = json.loads((folder / "config.json").read_text()), record_of(folder)
         info, evaluation = record["training"], record["evaluation"]
         assert config["base_model_id"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -336,8 +364,18 @@ def _figure_in_results_file(path: Path, metric: str, dataset: str, setting: str)
     budget = int(setting.split("fixed tree_budget ")[1].split(",")[0])
     (row,) = [r for r in json.loads(path.read_text()) if r["dataset"] == dataset and r["tree_budget"] == budget]
     assert row["free_candidates"] == "off" and "free candidates off" in setting
-    assert "float32" in setting and row["hardware"].endswith("target float32, drafter float32")
+    dtype = setting.split("drafter alone: ")[1].split(",")[0]  # the dtype the setting names is the row's
+    assert row["hardware"].endswith(f"target {dtype}, drafter {dtype}"), (setting, row["hardware"])
     return row[metric]
+
+
+GLANCE_ROWS = {  # where each shipped drafter's as-shipped speed-ups are published: (page, generated section, row)
+    "specblock-smollm2-135m-instruct": ("README.md", "glance", "SpecBlock"),
+    "eagle3-smollm2-135m-instruct": ("README.md", "glance", "EAGLE-3"),
+    "dflash-smollm2-135m-instruct": ("README.md", "glance", "DFlash"),
+    "specblock-qwen2.5-coder-0.5b-instruct": ("docs/benchmarks.md", "qwen-glance", "SpecBlock, 2 block rounds"),
+    "eagle3-qwen2.5-coder-0.5b-instruct": ("docs/benchmarks.md", "qwen-glance", "EAGLE-3"),
+}
 
 
 def test_every_figure_in_a_shipped_cards_metadata_matches_a_results_file_and_names_its_setting():
@@ -362,7 +400,8 @@ def test_every_figure_in_a_shipped_cards_metadata_matches_a_results_file_and_nam
                 assert setting.startswith("as shipped: bfloat16") and 'tree_budget "auto", free candidates on' in setting
                 run = data["settings"]
                 assert f"{run['num_prompts']} prompts x {run['max_new_tokens']} new tokens" in setting
-                measured = data["methods"][method_of[folder.name.split("-")[0]]]
+                method = re.search(r"specblock-bench method (\w+)", setting)  # else the family's own method
+                measured = data["methods"][method.group(1) if method else method_of[folder.name.split("-")[0]]]
                 expected = measured["speedup" if result.metric_type == "speedup_vs_plain" else "tau"]
                 if result.metric_type == "speedup_vs_plain":
                     shipped_speedups.append(expected)
@@ -370,9 +409,9 @@ def test_every_figure_in_a_shipped_cards_metadata_matches_a_results_file_and_nam
                 expected = _figure_in_results_file(path, result.metric_type, result.dataset_type, setting)
             assert result.metric_value == pytest.approx(expected, abs=5e-4), (folder.name, result.metric_name)
         assert kinds == {"as shipped", "drafter alone"}
-        # the as-shipped speed-ups are the README glance table's bfloat16 column
-        glance = (ROOT / "README.md").read_text()
-        label = {"specblock": "SpecBlock", "eagle3": "EAGLE-3", "dflash": "DFlash"}[folder.name.split("-")[0]]
+        # the as-shipped speed-ups are those of the glance table that publishes them
+        page, section, label = GLANCE_ROWS[folder.name]
+        glance = (ROOT / page).read_text().split(f"<!-- BEGIN generated: {section} -->")[1].split("<!-- END")[0]
         line = next(line for line in glance.splitlines() if line.startswith(f"| {label} |"))
         assert len(shipped_speedups) == 2 and all(f"{value:.2f}x" in line for value in shipped_speedups), line
 

@@ -15,8 +15,11 @@ ROOT = Path(__file__).resolve().parents[1]
 LIMIT = 5 * 1024 * 1024  # bytes
 
 SHIPPED_WEIGHTS = {
-    f"src/transformers_specblock/hub/shipped/{name}-smollm2-135m-instruct/model.safetensors"
-    for name in ("dflash", "eagle3", "specblock")
+    f"src/transformers_specblock/hub/shipped/{name}/model.safetensors"
+    for name in (
+        "dflash-smollm2-135m-instruct", "eagle3-smollm2-135m-instruct", "specblock-smollm2-135m-instruct",
+        "eagle3-qwen2.5-coder-0.5b-instruct", "specblock-qwen2.5-coder-0.5b-instruct",
+    )
 }
 """One committed copy of each shipped drafter's weights (package data: the wheel ships them)."""
 RESUME_POINTS = {f"docs/results/campaign/{run}/model.safetensors" for run in ("eagle3", "specblock")}

@@ -50,8 +50,8 @@ def test_shipped_drafters_live_inside_the_package():
         folder = shipped_drafter_path(name)
         assert folder.parent == PACKAGE_DIR / "hub" / "shipped"
         assert {"config.json", "model.safetensors", "README.md"} <= {p.name for p in folder.iterdir()}
-    with pytest.raises(ValueError, match="shipped drafters are dflash-smollm2-135m-instruct, eagle3-smollm2-135m-"):
-        shipped_drafter_path("specblock-qwen")
+    with pytest.raises(ValueError, match="shipped drafters are dflash-smollm2-135m-instruct, eagle3-"):
+        shipped_drafter_path("specblock-llama")
 
 
 @pytest.mark.parametrize("name", SHIPPED_DRAFTERS)

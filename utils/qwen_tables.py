@@ -19,6 +19,7 @@ NAMES = {
     "specblock_two_blocks": "SpecBlock, 2 block rounds",
     "specblock_three_blocks": "SpecBlock, 3 block rounds",
 }
+SET_TITLES = {"humaneval": "HumanEval", "mt_bench": "MT-Bench", "sharegpt": "ShareGPT"}
 
 
 def method_key(run: dict, key: str) -> str | None:
@@ -77,4 +78,68 @@ def run_table(runs: dict[str, str], root: str) -> str:
         "method was faster; drafting: the share of decoding time spent drafting. Prompts on which a method's output left "
         f"plain greedy, and the largest float32 logit gap where it did: {left}. Results: "
         + ", ".join(f"[`{folder}`]({root}/{folder}/results.json)" for folder in runs.values()) + ".",
+    ])  # fmt: skip
+
+
+DEPTH = ("eagle3", "eagle3_depth6", "specblock_one_block", "specblock_two_blocks", "specblock_three_blocks")
+
+
+def depth_table(runs: dict[str, str]) -> str:
+    """SpecBlock's block rounds against EAGLE-3's depth: per run, speed-up, tau, drafter forwards and nodes per
+    verified tree, drafting share."""
+    loaded = {title: json.loads((RESULTS / folder / "results.json").read_text()) for title, folder in runs.items()}
+    lines = ["| method | set | speed-up | tau | drafter forwards per tree | nodes per tree | drafting share |",
+             "|---|---|---|---|---|---|---|"]  # fmt: skip
+    for key in DEPTH:
+        for title, run in loaded.items():
+            if key in run["methods"]:
+                m = run["methods"][key]
+                lines.append(f"| {NAMES[key]} | {title} | {m['speedup']:.2f}x | {m['tau']:.2f} | "
+                             f"{m['drafter_forwards_per_iter']:.2f} | {m['nodes_per_iter']:.1f} | "
+                             f"{m['drafting_share']:.3f} |")  # fmt: skip
+    return "\n".join(lines)
+
+
+def training_table(runs: dict[str, str]) -> str:
+    """The drafters trained at equal CPU time (title -> trainer_state.json under docs/results): tokens, CPU time,
+    tokens per CPU second, and the last 25 steps' training-batch slot-0 accuracy and greedy-chain length estimate."""
+    lines = ["| drafter | steps | tokens | CPU minutes | tokens per CPU second | slot-0 accuracy | chain length |",
+             "|---|---|---|---|---|---|---|"]  # fmt: skip
+    for title, path in runs.items():
+        state = json.loads((RESULTS / path).read_text())
+        logs = [entry for entry in state["log_history"] if "acc_slot0" in entry]
+        last = logs[-5:]  # logged every 5 steps: the last 25
+        cpu = logs[-1]["train_cpu_seconds"]
+        lines.append(
+            f"| {title} | {state['global_step']} | {logs[-1]['num_input_tokens_seen']:,} | {cpu / 60:.0f} | "
+            f"{logs[-1]['num_input_tokens_seen'] / cpu:.0f} | {statistics.mean(e['acc_slot0'] for e in last):.3f} | "
+            f"{statistics.mean(e['accept_length'] for e in last):.2f} |"
+        )
+    return "\n".join(lines)
+
+
+def alone_table(variants: dict[str, str], root: str) -> str:
+    """The drafters alone (free candidates off) at fixed budgets: one row per drafter and budget, one column per
+    prompt set (title -> folder under docs/results holding examples/evaluate_drafter.py's eval_results.json)."""
+    loaded = {title: json.loads((RESULTS / folder / "eval_results.json").read_text())
+              for title, folder in variants.items()}  # fmt: skip
+    sets = list(dict.fromkeys(row["dataset"] for rows in loaded.values() for row in rows))
+    lines = ["| drafter | nodes | " + " | ".join(SET_TITLES.get(s, s) for s in sets) + " |",
+             "|---" * (len(sets) + 2) + "|"]  # fmt: skip
+    for title, rows in loaded.items():
+        for budget in dict.fromkeys(row["tree_budget"] for row in rows):
+            cells = {row["dataset"]: row for row in rows if row["tree_budget"] == budget}
+            lines.append(f"| {title} | {budget} | " + " | ".join(
+                f"tau {cells[s]['tau']:.2f}, {cells[s]['speedup_vs_plain']:.2f}x, "
+                f"drafting {cells[s]['drafting_share']:.2f}" for s in sets) + " |")  # fmt: skip
+    first = next(iter(loaded.values()))[0]
+    left = sum(not row["identical_to_plain_greedy"] for rows in loaded.values() for row in rows)
+    return "\n".join([
+        *lines, "",
+        f"The drafter's own tree at a fixed number of nodes, free candidates off (no prompt lookup, n-gram or suffix "
+        f"cache). {first['prompts']} prompts x {first['max_new_tokens']} new tokens per set, every budget interleaved "
+        f"per prompt with plain `generate`; {first['hardware']}. tau: tokens committed per target forward; then the "
+        f"speed-up over plain and the share of decoding time spent drafting. Rows with an output that left plain "
+        f"greedy (bfloat16 near-ties): {left} of {sum(len(rows) for rows in loaded.values())}. Results: "
+        + ", ".join(f"[`{folder}`]({root}/{folder}/eval_results.json)" for folder in variants.values()) + ".",
     ])  # fmt: skip

@@ -19,7 +19,7 @@ from campaign_figure import campaign_aims, campaign_status, campaign_svg  # noqa
 from cost_figure import cost_svg  # noqa: E402
 from docs_tables import command_reference  # noqa: E402
 from paired_tables import paired_table, variants_by_prompt  # noqa: E402
-from qwen_tables import run_table  # noqa: E402
+from qwen_tables import alone_table, depth_table, run_table, training_table  # noqa: E402
 from tau_tables import calibration, penalty_sweep, tau_by_arm, tau_by_set  # noqa: E402
 from tree_figure import mask_svg, tree_svg  # noqa: E402
 
@@ -32,6 +32,12 @@ BATCHES = ("batch-control", "bfloat16", "2026-12-02")
 TARGET_COST = ("target-cost/amd-epyc.json", "2026-12-03")
 SUFFIX_STREAMS = ("suffix-streams-bf16", "2026-12-02")
 QWEN_WEIGHTLESS = {"HumanEval": "qwen-weightless-bf16/humaneval", "MT-Bench": "qwen-weightless-bf16/mt_bench"}
+QWEN_GLANCE = {"HumanEval": "qwen-glance-2026-12-07/bfloat16-humaneval",
+               "MT-Bench": "qwen-glance-2026-12-07/bfloat16-mt_bench"}  # fmt: skip
+QWEN_TRAINING = {"SpecBlock, 1 decoder layer": "qwen-train-2026-12-07/specblock-trainer_state.json",
+                 "EAGLE-3": "qwen-train-2026-12-07/eagle3-trainer_state.json"}  # fmt: skip
+QWEN_ALONE = {"SpecBlock, 2 block rounds (shipped)": "qwen-ship-2026-12-07/specblock-two-blocks",
+              "EAGLE-3, 3 levels (shipped)": "qwen-ship-2026-12-07/eagle3-depth3"}  # fmt: skip
 ADAPTATION = ("adaptation-stream", "2026-12-04")
 GPU_TRAINING = ("gpu-h200-2026-11-30", "2026-11-30")
 CAMPAIGN_TAU = [  # (row label, folder under docs/results): the drafters shipped before the campaign, now, and its newest
@@ -406,10 +412,22 @@ SECTIONS = {
         "adaptation": adaptation,
         "gpu-training": gpu_training,
         "qwen-weightless": lambda: run_table(QWEN_WEIGHTLESS, "results"),
+        "qwen-glance": lambda: run_table(QWEN_GLANCE, "results"),
+        "qwen-depth": lambda: depth_table(QWEN_GLANCE),
+        "qwen-alone": lambda: alone_table(QWEN_ALONE, "results"),
     },
+    "docs/results/qwen-glance-2026-12-07/README.md": {
+        "qwen-glance": lambda: run_table(QWEN_GLANCE, ".."),
+        "qwen-depth": lambda: depth_table(QWEN_GLANCE),
+    },
+    "docs/results/qwen-ship-2026-12-07/README.md": {"qwen-alone": lambda: alone_table(QWEN_ALONE, "..")},
+    "docs/results/qwen-train-2026-12-07/README.md": {"qwen-training": lambda: training_table(QWEN_TRAINING)},
     "docs/reference/commands.md": {"commands": command_reference},
     "docs/results/qwen-weightless-bf16/README.md": {"qwen-weightless": lambda: run_table(QWEN_WEIGHTLESS, "..")},
-    "docs/training.md": {"tau-by-tokens": lambda: tau_by_set(TAU_BY_TOKENS)},
+    "docs/training.md": {
+        "tau-by-tokens": lambda: tau_by_set(TAU_BY_TOKENS),
+        "qwen-training": lambda: training_table(QWEN_TRAINING),
+    },
     "docs/lab-notes/campaign.md": {
         "campaign-status": lambda: campaign_status(RESULTS / "campaign"),
         "campaign-tau": lambda: tau_by_set(CAMPAIGN_TAU),

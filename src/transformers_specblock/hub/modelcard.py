@@ -159,7 +159,7 @@ def _target_section(training: dict[str, Any], base_model: str | None, target: st
     packaged = _target_model(training)
     if packaged in PACKAGED_MODELS:
         entry = PACKAGED_MODELS[packaged]
-        quantization = re.search(r"\.(Q\d\w*|q\d\w*)\.gguf$", entry.gguf_file)
+        quantization = re.search(r"[.-](q\d\w*)\.gguf$", entry.gguf_file, re.IGNORECASE)
         what = f"the {quantization.group(1).upper()} GGUF" if quantization else "the GGUF"
         return (
             f"Trained and measured with the package's `{packaged}` target: {what} `{entry.gguf_file}` of "
@@ -227,8 +227,8 @@ def _results_section(evaluation: list[dict[str, Any]]) -> str:
     if any(r.get("kind") == "drafter_alone" for r in evaluation):
         intro += (
             " The drafter-alone rows switch off the free candidates (prompt lookup, n-gram and suffix caches) and fix "
-            "the tree budget, in float32: they compare weights, and a speed-up below 1 there is what a fixed tree costs "
-            "on that CPU, not what the drafter gives as shipped."
+            "the tree budget (each row names its dtype): they compare weights, and a speed-up below 1 there is what a "
+            "fixed tree costs on that CPU, not what the drafter gives as shipped."
         )
     return intro + "\n\n" + "\n\n".join(parts)
 
