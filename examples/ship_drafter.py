@@ -2,9 +2,9 @@
 results it measured as its training record's evaluation rows (the model card is generated from them).
 
     python examples/ship_drafter.py --drafter qwen-runs/specblock-1.0h \
-        --name specblock-qwen2.5-coder-0.5b-instruct --settings_from specblock-smollm2-135m-instruct --set max_blocks=2 \
-        --as_shipped docs/results/qwen-glance-2026-12-07/bfloat16-humaneval/results.json:specblock_two_blocks \
-        --drafter_alone docs/results/qwen-ship-2026-12-07/specblock-two-blocks
+        --name specblock-qwen2.5-coder-0.5b-instruct --settings_from specblock-smollm2-135m-instruct --set max_blocks=1 \
+        --as_shipped docs/results/qwen-glance-2026-12-07/bfloat16-humaneval/results.json:specblock_one_block \
+        --drafter_alone docs/results/qwen-ship-2026-12-07/specblock-one-block
 
 `--as_shipped FILE:METHOD` (repeatable) reads a `specblock-bench` run; `--drafter_alone DIR` the `eval_results.json`
 that `examples/evaluate_drafter.py --drafter_only --tree_budget ... --report_dir DIR` writes.

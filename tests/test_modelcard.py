@@ -373,7 +373,7 @@ GLANCE_ROWS = {  # where each shipped drafter's as-shipped speed-ups are publish
     "specblock-smollm2-135m-instruct": ("README.md", "glance", "SpecBlock"),
     "eagle3-smollm2-135m-instruct": ("README.md", "glance", "EAGLE-3"),
     "dflash-smollm2-135m-instruct": ("README.md", "glance", "DFlash"),
-    "specblock-qwen2.5-coder-0.5b-instruct": ("docs/benchmarks.md", "qwen-glance", "SpecBlock, 2 block rounds"),
+    "specblock-qwen2.5-coder-0.5b-instruct": ("docs/benchmarks.md", "qwen-glance", "SpecBlock, 1 block round"),
     "eagle3-qwen2.5-coder-0.5b-instruct": ("docs/benchmarks.md", "qwen-glance", "EAGLE-3"),
 }
 

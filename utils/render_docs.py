@@ -36,8 +36,11 @@ QWEN_GLANCE = {"HumanEval": "qwen-glance-2026-12-07/bfloat16-humaneval",
                "MT-Bench": "qwen-glance-2026-12-07/bfloat16-mt_bench"}  # fmt: skip
 QWEN_TRAINING = {"SpecBlock, 1 decoder layer": "qwen-train-2026-12-07/specblock-trainer_state.json",
                  "EAGLE-3": "qwen-train-2026-12-07/eagle3-trainer_state.json"}  # fmt: skip
-QWEN_ALONE = {"SpecBlock, 2 block rounds (shipped)": "qwen-ship-2026-12-07/specblock-two-blocks",
-              "EAGLE-3, 3 levels (shipped)": "qwen-ship-2026-12-07/eagle3-depth3"}  # fmt: skip
+QWEN_ALONE = {"SpecBlock, 1 block round (shipped)": "qwen-ship-2026-12-07/specblock-one-block",
+              "SpecBlock, 2 block rounds": "qwen-ship-2026-12-07/specblock-two-blocks",
+              "SpecBlock, 3 block rounds": "qwen-ship-2026-12-07/specblock-three-blocks",
+              "EAGLE-3, 3 levels (shipped)": "qwen-ship-2026-12-07/eagle3-depth3",
+              "EAGLE-3, 6 levels": "qwen-ship-2026-12-07/eagle3-depth6"}  # fmt: skip
 ADAPTATION = ("adaptation-stream", "2026-12-04")
 GPU_TRAINING = ("gpu-h200-2026-11-30", "2026-11-30")
 CAMPAIGN_TAU = [  # (row label, folder under docs/results): the drafters shipped before the campaign, now, and its newest
