@@ -34,14 +34,16 @@ SUFFIX_STREAMS = ("suffix-streams-bf16", "2026-12-02")
 QWEN_WEIGHTLESS = {"HumanEval": "qwen-weightless-bf16/humaneval", "MT-Bench": "qwen-weightless-bf16/mt_bench"}
 QWEN_GLANCE = {"HumanEval": "qwen-glance-2026-12-07/bfloat16-humaneval",
                "MT-Bench": "qwen-glance-2026-12-07/bfloat16-mt_bench"}  # fmt: skip
-QWEN_TRAINING = {"SpecBlock, 1 decoder layer": "qwen-train-2026-12-07/specblock-trainer_state.json",
-                 "EAGLE-3": "qwen-train-2026-12-07/eagle3-trainer_state.json"}  # fmt: skip
+QWEN_TRAINING = {"SpecBlock, 1 decoder layer (shipped)": "qwen-train-2026-12-07/specblock-trainer_state.json",
+                 "SpecBlock, 2 decoder layers": "qwen-train-2026-12-07/specblock-2layers-trainer_state.json",
+                 "EAGLE-3 (shipped)": "qwen-train-2026-12-07/eagle3-trainer_state.json"}  # fmt: skip
 QWEN_ALONE = {"SpecBlock, 1 block round (shipped)": "qwen-ship-2026-12-07/specblock-one-block",
               "SpecBlock, 2 block rounds": "qwen-ship-2026-12-07/specblock-two-blocks",
               "SpecBlock, 3 block rounds": "qwen-ship-2026-12-07/specblock-three-blocks",
               "EAGLE-3, 3 levels (shipped)": "qwen-ship-2026-12-07/eagle3-depth3",
               "EAGLE-3, 6 levels": "qwen-ship-2026-12-07/eagle3-depth6"}  # fmt: skip
 ADAPTATION = ("adaptation-stream", "2026-12-04")
+QWEN_ADAPTATION = ("qwen-adaptation-2026-12-07", "2026-12-07")
 GPU_TRAINING = ("gpu-h200-2026-11-30", "2026-11-30")
 CAMPAIGN_TAU = [  # (row label, folder under docs/results): the drafters shipped before the campaign, now, and its newest
     # (tokens in all and campaign CPU-hours from docs/results/campaign/*.jsonl and the drafters' cards)
@@ -379,12 +381,17 @@ def embedded_table(folder: str, date: str) -> str:
     return f"{first}\n\n{date}: [`{folder}/results.json`](results/{folder}/results.json)."
 
 
-def adaptation() -> str:
-    folder, date = ADAPTATION
+def adaptation(folder: str, date: str) -> str:
     settings = load(f"{folder}/results.json")["settings"]
+    streams = {run.split("/")[0] for run in settings["runs"].split(",")}
+    prompts = (
+        f"{settings['num_code']} code, {settings['num_chat']} chat and {settings['num_sharegpt']} ShareGPT prompts"
+        if "sharegpt" in streams
+        else f"{settings['num_code']} code and {settings['num_chat']} chat prompts"
+    )
     return embedded_table(folder, date) + (
-        f" {settings['num_code']} code, {settings['num_chat']} chat and {settings['num_sharegpt']} ShareGPT prompts, "
-        f"{settings['max_new_tokens']} new tokens per call, tree budget {settings['tree_budget']}, float32."
+        f" {settings.get('target_model', 'smollm2-135m-instruct')}, {prompts}, {settings['max_new_tokens']} new tokens "
+        f"per call, tree budget {settings['tree_budget']}, {settings.get('dtype', 'float32')}."
     )
 
 
@@ -412,7 +419,8 @@ SECTIONS = {
         "exactness": exactness,
         "target-cost": target_cost,
         "suffix-streams": lambda: embedded_table(*SUFFIX_STREAMS),
-        "adaptation": adaptation,
+        "adaptation": lambda: adaptation(*ADAPTATION),
+        "qwen-adaptation": lambda: adaptation(*QWEN_ADAPTATION),
         "gpu-training": gpu_training,
         "qwen-weightless": lambda: run_table(QWEN_WEIGHTLESS, "results"),
         "qwen-glance": lambda: run_table(QWEN_GLANCE, "results"),
