@@ -119,7 +119,9 @@ def test_wheel_installs_and_works_outside_the_checkout(tmp_path):
 
     assert Path(report["package"]).resolve().is_relative_to(site.resolve())  # the wheel, not the checkout
     assert report["custom_generate"]
-    names = ["dflash-smollm2-135m-instruct", "eagle3-smollm2-135m-instruct", "specblock-smollm2-135m-instruct"]
+    names = [f"{kind}-smollm2-135m-instruct" for kind in ("dflash", "eagle3", "specblock")] + [
+        f"{kind}-qwen2.5-coder-0.5b-instruct" for kind in ("eagle3", "specblock")
+    ]
     files = ["README.md", "config.json", "generation_config.json", "model.safetensors", "training_record.json"]
     assert report["shipped"] == {n: files for n in names}
     for key, path in report["drafter_paths"].items():
