@@ -40,6 +40,7 @@ QWEN_TRAINING = {"SpecBlock, 1 decoder layer (shipped)": "qwen-train-2026-12-07/
 QWEN_ALONE = {"SpecBlock, 1 block round (shipped)": "qwen-ship-2026-12-07/specblock-one-block",
               "SpecBlock, 2 block rounds": "qwen-ship-2026-12-07/specblock-two-blocks",
               "SpecBlock, 3 block rounds": "qwen-ship-2026-12-07/specblock-three-blocks",
+              "SpecBlock, 2 decoder layers, 1 block round": "qwen-ship-2026-12-07/specblock-2layers-one-block",
               "EAGLE-3, 3 levels (shipped)": "qwen-ship-2026-12-07/eagle3-depth3",
               "EAGLE-3, 6 levels": "qwen-ship-2026-12-07/eagle3-depth6"}  # fmt: skip
 ADAPTATION = ("adaptation-stream", "2026-12-04")
