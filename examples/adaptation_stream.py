@@ -6,6 +6,7 @@ code, then chat, a shuffled mix of both, and held-out ShareGPT (in domain), unde
 
 Another target takes its own drafters: `--target_model qwen2.5-coder-0.5b-instruct --dtype bfloat16
 --specblock_model specblock-qwen2.5-coder-0.5b-instruct --eagle3_model eagle3-qwen2.5-coder-0.5b-instruct`.
+
 A run is stream/drafter/policy, optionally with a label (`shift/specblock/off/repeat`: a second "off" run, the
 A/A control of the timings): a freshly loaded drafter serves the stream's prompts one `generate` call each
 (greedy, a fixed tree budget); the runs of one stream are interleaved prompt by prompt, so that the machine's slower
