@@ -32,6 +32,8 @@ BATCHES = ("batch-control", "bfloat16", "2026-12-02")
 TARGET_COST = ("target-cost/amd-epyc.json", "2026-12-03")
 SUFFIX_STREAMS = ("suffix-streams-bf16", "2026-12-02")
 QWEN_WEIGHTLESS = {"HumanEval": "qwen-weightless-bf16/humaneval", "MT-Bench": "qwen-weightless-bf16/mt_bench"}
+QWEN_WEIGHTLESS_15B = {title: f"qwen-weightless-1.5b-bf16/{folder}" for title, folder in
+                       (("HumanEval", "humaneval"), ("MT-Bench", "mt_bench"), ("ShareGPT", "sharegpt"))}  # fmt: skip
 QWEN_GLANCE = {"HumanEval": "qwen-glance-2026-12-07/bfloat16-humaneval",
                "MT-Bench": "qwen-glance-2026-12-07/bfloat16-mt_bench"}  # fmt: skip
 QWEN_TRAINING = {"SpecBlock, 1 decoder layer (shipped)": "qwen-train-2026-12-07/specblock-trainer_state.json",
@@ -424,6 +426,7 @@ SECTIONS = {
         "qwen-adaptation": lambda: adaptation(*QWEN_ADAPTATION),
         "gpu-training": gpu_training,
         "qwen-weightless": lambda: run_table(QWEN_WEIGHTLESS, "results"),
+        "qwen-weightless-15b": lambda: run_table(QWEN_WEIGHTLESS_15B, "results"),
         "qwen-glance": lambda: run_table(QWEN_GLANCE, "results"),
         "qwen-depth": lambda: depth_table(QWEN_GLANCE),
         "qwen-alone": lambda: alone_table(QWEN_ALONE, "results"),
@@ -431,6 +434,9 @@ SECTIONS = {
     "docs/results/qwen-glance-2026-12-07/README.md": {
         "qwen-glance": lambda: run_table(QWEN_GLANCE, ".."),
         "qwen-depth": lambda: depth_table(QWEN_GLANCE),
+    },
+    "docs/results/qwen-weightless-1.5b-bf16/README.md": {
+        "qwen-weightless-15b": lambda: run_table(QWEN_WEIGHTLESS_15B, "..")
     },
     "docs/results/qwen-ship-2026-12-07/README.md": {"qwen-alone": lambda: alone_table(QWEN_ALONE, "..")},
     "docs/results/qwen-train-2026-12-07/README.md": {"qwen-training": lambda: training_table(QWEN_TRAINING)},
