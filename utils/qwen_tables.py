@@ -57,17 +57,17 @@ def left_greedy(run: dict) -> str:
     return f"{count} (gap {max(gaps):.2f})" if count and gaps else str(count)
 
 
-def run_table(runs: dict[str, str], root: str) -> str:
-    """One row per method, one column per run (title -> folder under docs/results holding results.json); `root` is
-    docs/results as seen from the page."""
+def run_table(runs: dict[str, str], root: str, methods: tuple[str, ...] = tuple(NAMES)) -> str:
+    """One row per method (of `methods`), one column per run (title -> folder under docs/results holding
+    results.json); `root` is docs/results as seen from the page."""
     loaded = {title: json.loads((RESULTS / folder / "results.json").read_text()) for title, folder in runs.items()}
     first = next(iter(loaded.values()))
     lines = ["| method | " + " | ".join(loaded) + " |", "|---" * (len(loaded) + 1) + "|"]
     lines.append("| plain | " + " | ".join(f"{r['methods']['plain']['tokens_per_s']:.2f} tok/s" for r in loaded.values())
                  + " |")  # fmt: skip
-    for key, name in NAMES.items():
+    for key in methods:
         if all(method_key(r, key) for r in loaded.values()):
-            lines.append(f"| {name} | " + " | ".join(method_cell(r, method_key(r, key)) for r in loaded.values()) + " |")
+            lines.append(f"| {NAMES[key]} | " + " | ".join(method_cell(r, method_key(r, key)) for r in loaded.values()) + " |")
     settings = first["settings"]
     left = ", ".join(f"{title} {left_greedy(run)}" for title, run in loaded.items())
     return "\n".join([

@@ -36,6 +36,7 @@ QWEN_WEIGHTLESS_15B = {title: f"qwen-weightless-1.5b-bf16/{folder}" for title, f
                        (("HumanEval", "humaneval"), ("MT-Bench", "mt_bench"), ("ShareGPT", "sharegpt"))}  # fmt: skip
 QWEN_GLANCE = {"HumanEval": "qwen-glance-2026-12-07/bfloat16-humaneval",
                "MT-Bench": "qwen-glance-2026-12-07/bfloat16-mt_bench"}  # fmt: skip
+QWEN_SHIPPED_METHODS = ("prompt_lookup", "lookup_tree", "eagle3", "specblock_one_block")
 QWEN_TRAINING = {"SpecBlock, 1 decoder layer (shipped)": "qwen-train-2026-12-07/specblock-trainer_state.json",
                  "SpecBlock, 2 decoder layers": "qwen-train-2026-12-07/specblock-2layers-trainer_state.json",
                  "EAGLE-3 (shipped)": "qwen-train-2026-12-07/eagle3-trainer_state.json"}  # fmt: skip
@@ -414,7 +415,10 @@ def gpu_training() -> str:
 
 
 SECTIONS = {
-    "README.md": {"glance": glance},
+    "README.md": {
+        "glance": glance,
+        "qwen-glance": lambda: run_table(QWEN_GLANCE, "docs/results", QWEN_SHIPPED_METHODS),
+    },
     "docs/index.md": {"glance": lambda: glance("results")},
     "docs/benchmarks.md": {
         "glance": lambda: glance("results"),

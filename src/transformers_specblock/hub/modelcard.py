@@ -233,9 +233,7 @@ def _results_section(evaluation: list[dict[str, Any]]) -> str:
     return intro + "\n\n" + "\n\n".join(parts)
 
 
-LITTLE_TRAINED_TOKENS = 1_000_000
-"""Below this many training tokens a card says the drafter is little trained (the shipped SmolLM2 drafters, at
-4-13M tokens, accept 2-3 tokens per target forward; drafters at 0.2-0.35M tokens about 1.4)."""
+LITTLE_TRAINED_TOKENS = 1_000_000  # below it a card says so (the Qwen drafters, 0.23-0.35M tokens: tau 1.3-1.9 alone)
 
 
 def _limitations(config: Any, training: dict[str, Any], evaluation: list[dict[str, Any]]) -> str:
@@ -266,12 +264,11 @@ def _limitations(config: Any, training: dict[str, Any], evaluation: list[dict[st
         )
     if training and "NOT" in (training.get("data") or ""):
         items.append("Trained partly on answers the target did not write (see the data line above).")
-    tokens = training.get("total_train_tokens") or training.get("train_tokens") if training else None
+    tokens = training and (training.get("total_train_tokens") or training.get("train_tokens"))
     if tokens and tokens < LITTLE_TRAINED_TOKENS:
-        items.append(
-            f"Little trained ({tokens / 1e6:.2f}M tokens): the target accepts few of its tokens, so as shipped it adds "
-            "little to the free candidates. Training it further raises acceptance: see the training guide."
-        )
+        items.append(f"Little trained ({tokens / 1e6:.2f}M tokens): the target accepts few of its tokens, so as shipped "
+                     "it adds little to the free candidates. Training it further raises acceptance: see the training "
+                     "guide.")  # fmt: skip
     return "\n".join(f"- {item}" for item in items)
 
 
